@@ -1,0 +1,29 @@
+"""Preallocated KV cache: one slot per sequence, indexed by absolute position."""
+
+import torch
+
+from redline.config import ModelConfig
+
+
+class KVCache:
+    def __init__(
+        self, config: ModelConfig, slots: int, max_len: int, dtype: torch.dtype, device: torch.device
+    ):
+        self.slots, self.max_len = slots, max_len
+        shape = (slots, config.num_kv_heads, max_len, config.head_dim)
+        self.layers = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(config.num_layers)
+        ]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.layers)
+
+    def kv_len_for(self, tokens_needed: int) -> int:
+        """Keys to attend for a forward reaching `tokens_needed` positions: a power-of-two bucket (>= 64),
+        so compiled graphs see few distinct shapes. 70 -> 128, 129 -> 256, capped at max_len."""
+        bucket = 64
+        while bucket < tokens_needed:
+            bucket *= 2
+        return min(bucket, self.max_len)

@@ -1,0 +1,136 @@
+"""The user API: LLM(model_dir).generate / stream / chat."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from redline.config import ModelConfig
+from redline.engine.request import Completion, Request
+from redline.engine.runner import ModelRunner
+from redline.engine.scheduler import Scheduler
+from redline.models.build import load_target
+from redline.sampling import SamplingParams
+from redline.tokenizer import Tokenizer
+
+Prompt = str | Sequence[int]
+
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def _generation_eos(model_dir: Path) -> list[int]:
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return []
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    return [eos] if isinstance(eos, int) else list(eos or [])
+
+
+class Stream:
+    def __init__(self, scheduler: Scheduler, request: Request):
+        self._scheduler, self._request = scheduler, request
+
+    def __iter__(self) -> Iterator[str]:
+        request = self._request
+        try:
+            while not request.finished:
+                for r, piece in self._scheduler.step():
+                    if r is request and piece:
+                        yield piece
+        finally:
+            if not request.finished:
+                self._scheduler.cancel(request)
+
+    @property
+    def completion(self) -> Completion:
+        return self._request.completion()
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | Path,
+        dtype: str | torch.dtype = "bfloat16",
+        device: str = "cpu",
+        max_batch: int = 8,
+        max_seq_len: int | None = None,
+    ):
+        model_dir = Path(model)
+        torch_dtype = parse_dtype(dtype)
+        if not model_dir.is_dir():
+            raise FileNotFoundError(f"model directory {model_dir} does not exist")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} requested but CUDA is not available")
+        self.model_dir = model_dir
+        self.config = ModelConfig.from_dir(model_dir)
+        self.tokenizer = Tokenizer.from_dir(
+            model_dir, extra_eos_ids=[*self.config.eos_token_ids, *_generation_eos(model_dir)]
+        )
+        self.model = load_target(model_dir, torch_dtype, device)
+        self.max_seq_len = min(max_seq_len or 4096, self.config.max_position)
+        self.runner = ModelRunner(self.model, max_batch, self.max_seq_len)
+        self.scheduler = Scheduler(self.runner)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[Completion]:
+        """Completes each prompt (text or token ids), with one SamplingParams for all or one per prompt;
+        continuous batching over `max_batch` slots."""
+        prompts = self._prompt_list(prompts)
+        per_prompt = params if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts")
+        requests = [self._request(p, sp) for p, sp in zip(prompts, per_prompt, strict=True)]
+        for request in requests:
+            self.scheduler.add(request)
+        while self.scheduler.has_work:
+            self.scheduler.step()
+        return [r.completion() for r in requests]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Stream:
+        """Iterate for the completion's text piece by piece; `.completion` holds the result afterwards."""
+        request = self._request(prompt, params or SamplingParams())
+        self.scheduler.add(request)
+        return Stream(self.scheduler, request)
+
+    def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None) -> Completion:
+        """Applies the model's chat template and completes the conversation."""
+        return self.generate([self.tokenizer.encode_chat(messages)], params)[0]
+
+    def _prompt_list(self, prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            return [prompts]  # one prompt
+        return list(prompts)
+
+    def _request(self, prompt: Prompt, params: SamplingParams) -> Request:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if any(not isinstance(i, int) or not 0 <= i < self.config.vocab_size for i in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.config.vocab_size})")
+        if len(ids) + params.max_tokens > self.max_seq_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context window "
+                f"of {self.max_seq_len} tokens"
+            )
+        return Request(ids, params, self.tokenizer, self.tokenizer.eos_token_ids)

@@ -1,0 +1,109 @@
+"""A request's life on the host: tokens in, stop conditions, text out, timing."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+from redline.sampling import SamplingParams
+from redline.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (eos or a stop string), "length", or "cancelled"
+    prompt_tokens: int
+    ttft_s: float  # arrival to first token
+    latency_s: float  # arrival to last token
+    tokens_per_s: float  # per user, decode phase: (tokens - 1) / (latency - ttft)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    tokenizer: Tokenizer
+    eos_ids: frozenset[int]
+    seed: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    slot: int | None = None
+
+    def __post_init__(self) -> None:
+        self.seed = (self.params.seed if self.params.seed is not None else random.getrandbits(63)) & (
+            2**63 - 1
+        )
+        self._detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
+        self._stops = StopStringMatcher(self.params.stop_strings)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def position(self) -> int:
+        """Absolute position of the newest token (the next forward's input)."""
+        return len(self.prompt_ids) + len(self.output_ids) - 1
+
+    def accept(self, tokens: list[int]) -> str:
+        """Takes tokens emitted by one step, in order, up to the first stop; returns the new text."""
+        now = time.perf_counter()
+        self.first_token_at = self.first_token_at or now
+        piece = ""
+        for token in tokens:
+            self.output_ids.append(token)
+            if token in self.eos_ids and not self.params.ignore_eos:
+                self.finish_reason = "stop"
+                piece += self._final_text()
+                break
+            text, stopped = self._stops.feed(self._detok.push(token))
+            piece += text
+            if stopped:
+                self.finish_reason = "stop"
+                break
+            if len(self.output_ids) >= self.params.max_tokens:
+                self.finish_reason = "length"
+                piece += self._final_text()
+                break
+        self.text += piece
+        if self.finished:
+            self.finished_at = now
+        return piece
+
+    def _final_text(self) -> str:
+        """Releases text held back for incomplete characters or possible stop strings."""
+        text, stopped = self._stops.feed(self._detok.flush())
+        return text if stopped else text + self._stops.flush()
+
+    def cancel(self) -> None:
+        if not self.finished:
+            self.finish_reason = "cancelled"
+            self.finished_at = time.perf_counter()
+
+    def completion(self) -> Completion:
+        end = self.finished_at or time.perf_counter()
+        first = self.first_token_at or end
+        ttft = first - self.arrival
+        latency = end - self.arrival
+        decode_time = latency - ttft
+        n = len(self.output_ids)
+        return Completion(
+            text=self.text,
+            token_ids=list(self.output_ids),
+            finish_reason=self.finish_reason or "length",
+            prompt_tokens=len(self.prompt_ids),
+            ttft_s=ttft,
+            latency_s=latency,
+            tokens_per_s=(n - 1) / decode_time if n > 1 and decode_time > 0 else float("nan"),
+        )

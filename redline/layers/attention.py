@@ -1,0 +1,117 @@
+"""Grouped-query attention over a slot-indexed KV cache, with Llama 4's per-layer variations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from redline.config import ModelConfig
+from redline.layers.norm import rms_normalize
+from redline.layers.rotary import Rotary
+
+
+@dataclass
+class AttentionBatch:
+    """Per-forward metadata shared by every layer.
+
+    The KV cache is indexed by absolute position: slot s keeps the key of position p at [s, :, p].
+    A forward over rows slot_start .. slot_start + B - 1 writes its T new keys at `positions`
+    and attends over cache positions 0 .. kv_len - 1, masked by position, so entries left over
+    from rejected tokens or earlier requests are never seen.
+    """
+
+    positions: torch.Tensor  # [B, T] absolute position of each new token
+    slot_start: int
+    kv_len: int  # keys attended: cache positions [0, kv_len)
+    full_mask: torch.Tensor  # [B, 1, T, kv_len] bool, causal
+    chunked_mask: torch.Tensor | None  # [B, 1, T, kv_len] bool, causal and same chunk
+    cos: torch.Tensor  # [B, T, 1, head_dim // 2]
+    sin: torch.Tensor
+    temperature: torch.Tensor | None  # [B, T, 1, 1] Llama 4 NoPE query scale
+
+    @classmethod
+    def build(
+        cls,
+        config: ModelConfig,
+        rotary: Rotary,
+        positions: torch.Tensor,
+        key_positions: torch.Tensor,  # [B or 1, kv_len]
+        slot_start: int,
+    ) -> AttentionBatch:
+        q = positions[:, None, :, None]  # [B, 1, T, 1]
+        k = key_positions[:, None, None, :]  # [B|1, 1, 1, S]
+        full = k <= q
+        chunked = None
+        if config.attention_chunk_size is not None:
+            # chunk 8192: a query at 8195 sees keys 8192..8195 only
+            c = config.attention_chunk_size
+            chunked = full & (
+                torch.div(k, c, rounding_mode="floor") == torch.div(q, c, rounding_mode="floor")
+            )
+        temperature = None
+        if config.attn_temperature_tuning and not all(config.rope_layers):
+            steps = torch.floor((positions.float() + 1.0) / config.floor_scale)
+            temperature = (1.0 + config.attn_scale * torch.log1p(steps))[:, :, None, None]
+        cos, sin = rotary.cos_sin(positions)
+        return cls(positions, slot_start, key_positions.shape[-1], full, chunked, cos, sin, temperature)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary):
+        super().__init__()
+        h, hd = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, hd
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(h, config.num_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(h, config.num_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(h, config.num_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(config.num_heads * hd, h, bias=bias)
+        self.rotary = rotary
+        self.use_rope = config.is_rope_layer(layer)
+        self.chunked = config.is_chunked_layer(layer)
+        self.qk_norm_eps = config.rms_norm_eps if (config.use_qk_norm and self.use_rope) else None
+        self.temperature_tuning = config.attn_temperature_tuning and not self.use_rope
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, hidden]
+        batch: AttentionBatch,
+        cache: tuple[torch.Tensor, torch.Tensor] | None,  # k, v: [slots, kv_heads, max_len, head_dim]
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        if self.use_rope:
+            q = self.rotary.apply(q, batch.cos, batch.sin)
+            k = self.rotary.apply(k, batch.cos, batch.sin)
+        if self.qk_norm_eps is not None:
+            q, k = rms_normalize(q, self.qk_norm_eps), rms_normalize(k, self.qk_norm_eps)
+        if self.temperature_tuning:
+            q = (q * batch.temperature).to(q.dtype)
+        if cache is None:  # no cache: the T tokens attend to each other
+            keys, values = k.transpose(1, 2), v.transpose(1, 2)
+        else:
+            keys, values = self._write_and_read(cache, k, v, batch)
+        mask = batch.chunked_mask if self.chunked else batch.full_mask
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    @staticmethod
+    def _write_and_read(
+        cache: tuple[torch.Tensor, torch.Tensor],
+        k: torch.Tensor,  # [B, T, kv_heads, head_dim]
+        v: torch.Tensor,
+        batch: AttentionBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [B, kv_heads, kv_len, head_dim] each
+        b = k.shape[0]
+        rows = torch.arange(b, device=k.device)[:, None]  # [B, 1] pairs with positions [B, T]
+        out = []
+        for store, new in zip(cache, (k, v), strict=True):
+            mine = store[batch.slot_start : batch.slot_start + b]  # [B, kv_heads, max_len, head_dim] view
+            mine.transpose(1, 2)[rows, batch.positions] = new.to(store.dtype)
+            out.append(mine[:, :, : batch.kv_len].to(k.dtype))
+        return out[0], out[1]

@@ -1,0 +1,87 @@
+"""One decoder for Llama 3.x and Llama 4 text, driven by ModelConfig.
+
+Module names follow the Hugging Face checkpoints (`model.layers.3.self_attn.q_proj.weight`), except that
+Llama 4's `feed_forward` is called `mlp` here; the loader maps the names.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from redline.config import ModelConfig
+from redline.layers.attention import Attention, AttentionBatch
+from redline.layers.mlp import MLP
+from redline.layers.moe import MoE
+from redline.layers.norm import RMSNorm
+from redline.layers.rotary import Rotary
+
+KVLayer = tuple[torch.Tensor, torch.Tensor]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary):
+        super().__init__()
+        h = config.hidden_size
+        self.self_attn = Attention(config, layer, rotary)
+        self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
+        if layer in config.moe_layers:
+            self.mlp: nn.Module = MoE(
+                h, config.expert_intermediate_size, config.num_experts, config.num_experts_per_tok
+            )
+        else:
+            self.mlp = MLP(h, config.intermediate_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor, batch: AttentionBatch, cache: KVLayer | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.rotary = Rotary(config.rope, config.head_dim, config.rope_interleaved)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = Decoder(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.aux_layers: tuple[int, ...] = ()  # layers whose outputs feed an EAGLE-3 draft
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [B, T]
+        positions: torch.Tensor,  # [B, T] absolute positions
+        cache: list[KVLayer] | None = None,  # per layer k, v [slots, kv_heads, max_len, head_dim]
+        slot_start: int = 0,  # rows of this batch are cache slots slot_start .. slot_start + B - 1
+        kv_len: int | None = None,  # cache positions attended; default max(positions) + 1 is not static
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns the final normed hidden states [B, T, hidden] and, when aux_layers is set, the
+        concatenated outputs of those layers [B, T, len(aux_layers) * hidden]."""
+        if cache is None:
+            key_positions = positions
+        else:
+            assert kv_len is not None, "a cached forward needs a static kv_len"
+            key_positions = torch.arange(kv_len, device=tokens.device)[None]
+        batch = AttentionBatch.build(self.config, self.model.rotary, positions, key_positions, slot_start)
+        x = self.model.embed_tokens(tokens)
+        aux = []
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, batch, None if cache is None else cache[i])
+            if i in self.aux_layers:
+                aux.append(x)
+        return self.model.norm(x), torch.cat(aux, dim=-1) if aux else None
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., vocab] fp32
+        return self.lm_head(hidden).float()

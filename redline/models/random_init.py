@@ -1,0 +1,74 @@
+"""Write a small randomly initialised Llama checkpoint in Hugging Face format.
+
+Used by the tests and by `redline init-random` so every command can run without downloads.
+"""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+import torch
+
+from redline.config import ModelConfig
+from redline.models.llama import LlamaForCausalLM
+from redline.models.loader import save_weights
+from redline.train.bpe import train_bpe_tokenizer
+
+
+def stdlib_texts(max_files: int = 40, max_chars: int = 20_000) -> list[str]:
+    """Source of the Python standard library on this machine: text every machine has."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py"))[:max_files]
+    return [p.read_text(encoding="utf-8", errors="replace")[:max_chars] for p in files]
+
+
+def llama3_config(vocab_size: int, **overrides) -> dict:
+    config = dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=4,
+        torch_dtype="float32",
+    )
+    config.update(overrides)
+    return config
+
+
+def write_random_checkpoint(out_dir: str | Path, config: dict, seed: int = 0) -> None:
+    """config.json + model.safetensors with N(0, 0.02) weights and unit norms."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(ModelConfig.from_dict(config))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    state = model.state_dict()
+    if config.get("tie_word_embeddings"):
+        state.pop("lm_head.weight")
+    save_weights(state, out)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def write_random_model(out_dir: str | Path, vocab_size: int = 512, seed: int = 0, **overrides) -> Path:
+    """A tokenizer trained on the standard library plus a random tiny Llama 3 over its vocabulary."""
+    out = Path(out_dir)
+    train_bpe_tokenizer(stdlib_texts(), vocab_size, out)
+    vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
+    write_random_checkpoint(out, llama3_config(len(vocab), **overrides), seed)
+    return out

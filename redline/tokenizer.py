@@ -1,0 +1,250 @@
+"""Tokenizer (HF tokenizer.json via `tokenizers`), chat templates, streaming detokenization, stop strings."""
+
+import json
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import tokenizers
+
+# Prompt tokens that seed the detokenizer's context, so the first generated token's leading space is right.
+PROMPT_CONTEXT_TOKENS = 5
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file is missing or invalid, or a chat template cannot be rendered."""
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise TokenizerError(f"cannot read {path}: {error}") from error
+
+
+def _token_content(token: str | dict | None) -> str | None:
+    """tokenizer_config.json stores special tokens either as strings or as AddedToken dicts."""
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _select_chat_template(template: str | list | None) -> str | None:
+    """A template is a string, or a list of named templates of which we use "default"."""
+    if isinstance(template, list):
+        named = {entry.get("name"): entry.get("template") for entry in template}
+        return named.get("default")
+    return template
+
+
+def _raise_template_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """Like transformers' tojson filter: no HTML escaping, with json.dumps' formatting options."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template in the same sandboxed environment transformers uses."""
+    environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    environment.filters["tojson"] = _tojson
+    environment.globals["raise_exception"] = _raise_template_exception
+    environment.globals["strftime_now"] = _strftime_now
+    return environment.from_string(source)
+
+
+class Tokenizer:
+    """A Hugging Face tokenizer: tokenizer.json plus special tokens and chat template from its config."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        chat_template: str | None = None,
+        add_bos_token: bool = False,
+        extra_eos_ids: Iterable[int] = (),
+    ) -> None:
+        self._backend = backend
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.bos_token = bos_token
+        self.bos_token_id = backend.token_to_id(bos_token) if bos_token is not None else None
+        self.eos_token = eos_token
+        eos_id = backend.token_to_id(eos_token) if eos_token is not None else None
+        self.eos_token_ids: frozenset[int] = frozenset(extra_eos_ids) | ({eos_id} - {None})
+        self.chat_template = chat_template
+        self.add_bos_token = add_bos_token
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, extra_eos_ids: Iterable[int] = ()) -> "Tokenizer":
+        """Load tokenizer.json, tokenizer_config.json and chat_template.jinja from a model directory."""
+        model_dir = Path(model_dir)
+        tokenizer_path = model_dir / "tokenizer.json"
+        if not tokenizer_path.is_file():
+            raise TokenizerError(f"missing tokenizer file {tokenizer_path}")
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(tokenizer_path))
+        except Exception as error:
+            raise TokenizerError(f"cannot parse tokenizer file {tokenizer_path}: {error}") from error
+
+        config_path = model_dir / "tokenizer_config.json"
+        config = _read_json(config_path) if config_path.is_file() else {}
+        template_path = model_dir / "chat_template.jinja"
+        if template_path.is_file():
+            chat_template = template_path.read_text(encoding="utf-8")
+        else:
+            chat_template = _select_chat_template(config.get("chat_template"))
+        return cls(
+            backend,
+            bos_token=_token_content(config.get("bos_token")),
+            eos_token=_token_content(config.get("eos_token")),
+            chat_template=chat_template,
+            add_bos_token=bool(config.get("add_bos_token", False)),
+            extra_eos_ids=extra_eos_ids,
+        )
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        wants_bos = add_special_tokens and self.add_bos_token and self.bos_token_id is not None
+        if wants_bos and ids[:1] != [self.bos_token_id]:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @cached_property
+    def _compiled_chat_template(self) -> jinja2.Template:
+        if self.chat_template is None:
+            raise TokenizerError(
+                "this model has no chat template (tokenizer_config.json or chat_template.jinja)"
+            )
+        try:
+            return compile_chat_template(self.chat_template)
+        except jinja2.TemplateError as error:
+            raise TokenizerError(f"invalid chat template: {error}") from error
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
+        """Render `messages` with the model's chat template exactly as transformers does."""
+        special_tokens = {"bos_token": self.bos_token, "eos_token": self.eos_token}
+        variables = {
+            "tools": None,
+            "documents": None,
+            **{name: token for name, token in special_tokens.items() if token is not None},
+            **extra,
+        }
+        # transformers drops None-valued keys (e.g. OpenAI's content=None) before rendering.
+        messages = [
+            {key: value for key, value in message.items() if value is not None} for message in messages
+        ]
+        try:
+            return self._compiled_chat_template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **variables
+            )
+        except jinja2.TemplateError as error:
+            raise TokenizerError(f"chat template error: {error}") from error
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered chat; the template writes bos itself, so no special tokens are added."""
+        return self.encode(
+            self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
+        )
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text pieces for streaming; never emits half a character."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        # _ids[:_read_offset] is context that was already emitted (the previous piece, or the prompt's tail):
+        # decoding it together with the pending _ids[_read_offset:] gets merges and leading spaces right.
+        self._ids = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
+        self._read_offset = len(self._ids)
+        self._pieces: list[str] = []
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+    def _pending_text(self) -> str:
+        context_text = self._decode(self._ids[: self._read_offset])
+        return self._decode(self._ids)[len(context_text) :]
+
+    def _emit(self, piece: str) -> str:
+        self._pieces.append(piece)
+        del self._ids[: self._read_offset]
+        self._read_offset = len(self._ids)
+        return piece
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it made final (possibly "")."""
+        self._ids.append(token_id)
+        piece = self._pending_text()
+        if not piece or piece.endswith("\ufffd"):
+            return ""
+        return self._emit(piece)
+
+    def flush(self) -> str:
+        """At the end of generation: the held-back text, even if it ends in an incomplete character."""
+        return self._emit(self._pending_text())
+
+    @property
+    def text(self) -> str:
+        return "".join(self._pieces)
+
+
+class StopStringMatcher:
+    """Finds stop strings in streamed text; holds back text that might be the start of a stop string."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = [stop for stop in stops if stop]
+        self._held = ""
+
+    def _held_back_length(self, text: str) -> int:
+        """Length of the longest end of `text` that is the start of some stop string."""
+        longest = 0
+        for stop in self._stops:
+            for length in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:length]):
+                    longest = length
+                    break
+        return longest
+
+    def feed(self, piece: str) -> tuple[str, bool]:
+        """Return (text safe to emit now, stopped); after stopped is True, feed must not be called again."""
+        text = self._held + piece
+        found = [index for index in (text.find(stop) for stop in self._stops) if index >= 0]
+        if found:
+            self._held = ""
+            return text[: min(found)], True
+        keep = self._held_back_length(text)
+        self._held = text[len(text) - keep :]
+        return text[: len(text) - keep], False
+
+    def flush(self) -> str:
+        """At the end of generation (no stop string hit): the held-back text."""
+        held, self._held = self._held, ""
+        return held

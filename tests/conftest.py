@@ -1,0 +1,112 @@
+"""Tiny models built offline: a BPE tokenizer trained on the standard library, random HF checkpoints."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from redline.models.random_init import stdlib_texts
+from redline.train.bpe import train_bpe_tokenizer
+
+VOCAB = 384
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tokenizer")
+    train_bpe_tokenizer(stdlib_texts(max_files=20, max_chars=10_000), VOCAB, out)
+    return out
+
+
+def llama3_hf_config(**overrides):
+    from transformers import LlamaConfig
+
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=112,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.1,
+        bos_token_id=0,
+        eos_token_id=[1, 4],
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    )
+    kw.update(overrides)
+    return LlamaConfig(**kw)
+
+
+def llama4_hf_config(**overrides):
+    from transformers import Llama4TextConfig
+
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=48,  # experts and shared expert
+        intermediate_size_mlp=112,  # dense layers
+        num_hidden_layers=4,  # layers 0-2 RoPE + chunked, layer 3 NoPE; MoE on layers 1 and 3
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=2,
+        attention_chunk_size=24,
+        use_qk_norm=True,
+        attn_temperature_tuning=True,
+        floor_scale=4,
+        attn_scale=0.5,
+        max_position_embeddings=1024,
+        initializer_range=0.1,
+        bos_token_id=0,
+        eos_token_id=[1, 4],
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    )
+    kw.update(overrides)
+    return Llama4TextConfig(**kw)
+
+
+def build_hf_model(config, seed: int | None = None):
+    """A random HF model in fp32, eval mode. Expert tensors get the same init as everything else."""
+    from transformers import AutoModelForCausalLM
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "experts" in name:
+                p.normal_(0.0, config.initializer_range)
+    return model
+
+
+def save_hf_model(model, out: Path, tokenizer_dir: Path, **save_kw) -> Path:
+    model.save_pretrained(out, safe_serialization=True, **save_kw)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, out / name)
+    return out
+
+
+@pytest.fixture
+def llama3_dir(tmp_path, tokenizer_dir):
+    model = build_hf_model(llama3_hf_config(tie_word_embeddings=True))
+    return save_hf_model(model, tmp_path / "llama3", tokenizer_dir), model

@@ -1,0 +1,105 @@
+"""Token selection: filters on hand-built logits, exact distributions, seeds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from redline.sampling import (
+    SamplingParams,
+    SamplingTensors,
+    filtered_probs,
+    sample_from,
+    select_tokens,
+    uniform,
+)
+
+
+def tensors(temperature, top_k=0, top_p=1.0, seed=0, rows=1) -> SamplingTensors:
+    return SamplingTensors(
+        temperature=torch.full((rows,), float(temperature)),
+        top_k=torch.full((rows,), top_k, dtype=torch.int64),
+        top_p=torch.full((rows,), float(top_p)),
+        seed=torch.full((rows,), seed, dtype=torch.int64),
+    )
+
+
+def test_filters_on_hand_built_logits():
+    logits = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()[None, None]  # probs 0.4, 0.3, 0.2, 0.1
+    plain = filtered_probs(logits, tensors(1.0))
+    torch.testing.assert_close(plain[0, 0], torch.tensor([0.4, 0.3, 0.2, 0.1]))
+    top_k = filtered_probs(logits, tensors(1.0, top_k=2))
+    torch.testing.assert_close(top_k[0, 0], torch.tensor([4 / 7, 3 / 7, 0, 0]))
+    # top_p 0.5: 0.4 alone is not enough, 0.4 + 0.3 is
+    top_p = filtered_probs(logits, tensors(1.0, top_p=0.5))
+    torch.testing.assert_close(top_p[0, 0], torch.tensor([4 / 7, 3 / 7, 0, 0]))
+    top_p_exact = filtered_probs(logits, tensors(1.0, top_p=0.4))  # mass before token 1 is 0.4, not < 0.4
+    torch.testing.assert_close(top_p_exact[0, 0], torch.tensor([1.0, 0, 0, 0]))
+    hot = filtered_probs(logits, tensors(0.5))  # T = 0.5 squares the probabilities
+    torch.testing.assert_close(hot[0, 0], torch.tensor([16, 9, 4, 1]) / 30.0)
+    greedy = filtered_probs(logits, tensors(0.0))
+    torch.testing.assert_close(greedy[0, 0], torch.tensor([1.0, 0, 0, 0]))
+
+
+def test_filters_keep_vocab_order_on_shuffled_logits():
+    logits = torch.randn(3, 2, 50)
+    probs = filtered_probs(logits, tensors(0.7, top_k=5, rows=3))
+    kept = probs > 0
+    assert (kept.sum(-1) == 5).all()
+    assert torch.equal(kept, torch.zeros_like(kept).scatter_(-1, logits.topk(5).indices, True))
+    torch.testing.assert_close(probs.sum(-1), torch.ones(3, 2))
+
+
+def test_sampled_frequencies_match_the_distribution():
+    """Chi-square goodness of fit over 30,000 draws of a fresh random 6-way distribution.
+    Critical value 20.52 is the 0.999 quantile of chi2(5 dof): this test falsely fails 0.1% of the time."""
+    probs = torch.rand(6) + 0.05
+    probs /= probs.sum()
+    n = 30_000
+    seed = torch.randint(0, 2**32, (1,))
+    positions = torch.arange(n)[None]  # one draw per position
+    tokens = sample_from(probs.expand(1, n, 6), seed, positions, stream=0)[0]
+    counts = torch.bincount(tokens, minlength=6).double()
+    expected = probs.double() * n
+    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi2 < 20.52, f"chi2 {chi2:.1f}; counts {counts.tolist()} expected {expected.tolist()}"
+
+
+def test_draws_depend_only_on_seed_position_and_stream():
+    seed = torch.tensor([5, 5, 6])
+    pos = torch.tensor([[10], [10], [10]])
+    u = uniform(seed, pos, stream=0, width=100)
+    assert torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
+    assert not torch.equal(u[0], uniform(seed, pos, stream=1, width=100)[0])
+    assert not torch.equal(u[0], uniform(seed, pos + 1, stream=0, width=100)[0])
+    assert u.min() > 0 and u.max() < 1
+
+
+def test_greedy_rows_ignore_noise_and_sampling_rows_follow_seed():
+    logits = torch.randn(4, 1, 30)
+    t = tensors(1.0, rows=4)
+    t.temperature[0] = 0.0
+    t.seed[:] = torch.tensor([1, 2, 2, 3])
+    pos = torch.full((4, 1), 7)
+    tokens = select_tokens(logits, t, pos, any_sampling=True)
+    assert tokens[0, 0] == logits[0, 0].argmax()
+    logits[2] = logits[1]
+    again = select_tokens(logits, t, pos, any_sampling=True)
+    assert again[1, 0] == again[2, 0]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(max_tokens=0),
+        dict(temperature=-1.0),
+        dict(top_p=0.0),
+        dict(top_p=1.5),
+        dict(top_k=-1),
+        dict(stop=[""]),
+        dict(seed="x"),
+    ],
+)
+def test_invalid_params_are_rejected(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        SamplingParams(**kwargs)
