@@ -27,7 +27,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stop=args.stop,
         ignore_eos=args.ignore_eos,
     )
-    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        draft=args.draft,
+        num_draft_tokens=args.num_draft_tokens,
+        compile=args.compile,
+    )
     prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.chat}]) if args.chat else args.prompt
     stream = llm.stream(prompt, params)
     for piece in stream:
@@ -35,12 +42,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     request = stream.completion
     print()
-    print(
+    summary = (
         f"[redline] prompt tokens: {request.prompt_tokens} | generated tokens: {request.completion_tokens} "
         f"| finish: {request.finish_reason} | time to first token: {request.ttft_s * 1000:.1f} ms "
-        f"| {request.tokens_per_s:.1f} tokens/s per user",
-        file=sys.stderr,
+        f"| {request.tokens_per_s:.1f} tokens/s per user"
     )
+    if request.acceptance_length is not None:
+        rates = ", ".join(f"{r:.2f}" for r in request.acceptance_rates or [])
+        summary += f" | acceptance length: {request.acceptance_length:.2f} (per position: {rates})"
+    print(summary, file=sys.stderr)
     return 0
 
 
@@ -95,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--draft", type=Path, default=None, help="EAGLE-3 draft directory (speculative decoding)")
+    g.add_argument("--num-draft-tokens", type=int, default=3, help="draft length K (1..8)")
+    g.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("info", help="print the architecture, sizes and layer pattern")

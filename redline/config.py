@@ -158,6 +158,14 @@ def _common(cfg: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def llama_layer_config(cfg: dict[str, Any], arch: str) -> ModelConfig:
+    """A Llama 3 style layer config from any config.json with Llama fields (used for EAGLE-3 drafts)."""
+    try:
+        return _llama3(cfg, arch)
+    except KeyError as e:
+        raise ConfigError(f"missing required field {e.args[0]!r} for {arch}") from e
+
+
 def _llama3(cfg: dict[str, Any], arch: str) -> ModelConfig:
     common = _common(cfg)
     return ModelConfig(

@@ -82,3 +82,44 @@ def test_console_script_runs(model_dir):
         timeout=120,
     )
     assert result.returncode == 0 and "architecture" in result.stdout
+
+
+def test_generate_with_a_draft_prints_acceptance(model_dir, tmp_path, capsys):
+    from conftest import write_random_draft
+
+    draft = write_random_draft(model_dir, tmp_path / "draft", draft_vocab=100)
+    code = main(
+        [
+            "generate",
+            "--model",
+            str(model_dir),
+            "--prompt",
+            "import os",
+            "--max-tokens",
+            "9",
+            "--ignore-eos",
+            "--draft",
+            str(draft),
+            "--num-draft-tokens",
+            "2",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 0 and "generated tokens: 9" in err and "acceptance length:" in err
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(model_dir),
+                "--prompt",
+                "x",
+                "--draft",
+                str(draft),
+                "--num-draft-tokens",
+                "9",
+            ]
+        )
+        == 2
+    )
+    assert "num_draft_tokens must be in 1..8" in capsys.readouterr().err

@@ -13,6 +13,7 @@ from redline.engine.request import Completion, Request
 from redline.engine.runner import ModelRunner
 from redline.engine.scheduler import Scheduler
 from redline.models.build import load_target
+from redline.models.eagle3 import load_draft
 from redline.sampling import SamplingParams
 from redline.tokenizer import Tokenizer
 
@@ -72,6 +73,9 @@ class LLM:
         device: str = "cpu",
         max_batch: int = 8,
         max_seq_len: int | None = None,
+        draft: str | Path | None = None,
+        num_draft_tokens: int = 3,
+        compile: bool = False,
     ):
         model_dir = Path(model)
         torch_dtype = parse_dtype(dtype)
@@ -85,8 +89,16 @@ class LLM:
             model_dir, extra_eos_ids=[*self.config.eos_token_ids, *_generation_eos(model_dir)]
         )
         self.model = load_target(model_dir, torch_dtype, device)
+        self.draft = None
+        if draft is not None:
+            if not 1 <= num_draft_tokens <= 8:
+                raise ValueError(f"num_draft_tokens must be in 1..8, got {num_draft_tokens}")
+            self.draft = load_draft(draft, self.model, torch_dtype, device)
+        self.num_draft_tokens = num_draft_tokens if self.draft is not None else 0
         self.max_seq_len = min(max_seq_len or 4096, self.config.max_position)
-        self.runner = ModelRunner(self.model, max_batch, self.max_seq_len)
+        self.runner = ModelRunner(
+            self.model, max_batch, self.max_seq_len, self.draft, num_draft_tokens, compile
+        )
         self.scheduler = Scheduler(self.runner)
 
     def generate(
@@ -133,4 +145,6 @@ class LLM:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context window "
                 f"of {self.max_seq_len} tokens"
             )
-        return Request(ids, params, self.tokenizer, self.tokenizer.eos_token_ids)
+        return Request(
+            ids, params, self.tokenizer, self.tokenizer.eos_token_ids, num_draft_tokens=self.num_draft_tokens
+        )

@@ -19,6 +19,8 @@ class Completion:
     ttft_s: float  # arrival to first token
     latency_s: float  # arrival to last token
     tokens_per_s: float  # per user, decode phase: (tokens - 1) / (latency - ttft)
+    acceptance_length: float | None = None  # speculation: mean tokens emitted per decode step
+    acceptance_rates: list[float] | None = None  # per draft position: fraction of steps accepting it
 
     @property
     def completion_tokens(self) -> int:
@@ -32,6 +34,7 @@ class Request:
     tokenizer: Tokenizer
     eos_ids: frozenset[int]
     seed: int = 0
+    num_draft_tokens: int = 0
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
@@ -39,6 +42,8 @@ class Request:
     first_token_at: float | None = None
     finished_at: float | None = None
     slot: int | None = None
+    steps: int = 0  # decode steps taken
+    accepted_at: list[int] = field(default_factory=list)  # per draft position: steps that accepted it
 
     def __post_init__(self) -> None:
         self.seed = (self.params.seed if self.params.seed is not None else random.getrandbits(63)) & (
@@ -55,6 +60,13 @@ class Request:
     def position(self) -> int:
         """Absolute position of the newest token (the next forward's input)."""
         return len(self.prompt_ids) + len(self.output_ids) - 1
+
+    def record_step(self, n_acc: int) -> None:
+        self.steps += 1
+        if n_acc > len(self.accepted_at):
+            self.accepted_at.extend([0] * (n_acc - len(self.accepted_at)))
+        for j in range(n_acc):
+            self.accepted_at[j] += 1
 
     def accept(self, tokens: list[int]) -> str:
         """Takes tokens emitted by one step, in order, up to the first stop; returns the new text."""
@@ -106,4 +118,14 @@ class Request:
             ttft_s=ttft,
             latency_s=latency,
             tokens_per_s=(n - 1) / decode_time if n > 1 and decode_time > 0 else float("nan"),
+            **self.acceptance(),
         )
+
+    def acceptance(self) -> dict:
+        """Acceptance length counts every token the steps produced (the bonus included), before stops cut."""
+        if not self.steps or self.num_draft_tokens == 0:
+            return {}
+        rates = [a / self.steps for a in self.accepted_at] + [0.0] * (
+            self.num_draft_tokens - len(self.accepted_at)
+        )
+        return dict(acceptance_length=1 + sum(rates), acceptance_rates=rates)

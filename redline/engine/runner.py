@@ -1,73 +1,132 @@
-"""Runs the model over the KV cache: prefill one sequence into a slot, decode one token for every slot.
+"""Owns the device side: model(s), KV caches, per-slot decode state and sampling parameters.
 
-Decode state (last token, position, active flag, sampling parameters) lives on the device, one row per
-slot, and the step updates it in place, so the host only reads the new tokens.
+prefill() runs one prompt into a slot (outside the captured step); decode() runs the step for the
+slots in use and copies its output to the host once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from redline.engine.cuda_graphs import GraphedStep
 from redline.engine.kv_cache import KVCache
+from redline.models.eagle3 import Eagle3Draft
 from redline.models.llama import LlamaForCausalLM
 from redline.sampling import SamplingParams, SamplingTensors, select_tokens
+from redline.spec.draft_loop import propose
+from redline.spec.step import DecodeState, DecodeStep
+
+
+def batch_bucket(rows_needed: int, slots: int) -> int:
+    """Rows a step runs over: the next power of two (1, 2, 4, ...), at most `slots`. 3 -> 4."""
+    rows = 1
+    while rows < rows_needed:
+        rows *= 2
+    return min(rows, slots)
 
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaForCausalLM, slots: int, max_len: int, kv_dtype: torch.dtype | None = None
+        self,
+        model: LlamaForCausalLM,
+        slots: int,
+        max_len: int,
+        draft: Eagle3Draft | None = None,
+        num_draft_tokens: int = 3,
+        compile: bool = False,
     ):
-        self.model = model
+        self.model, self.draft = model, draft
+        self.k = num_draft_tokens if draft is not None else 0
         param = next(model.parameters())
         self.device = param.device
-        self.cache = KVCache(model.config, slots, max_len, kv_dtype or param.dtype, self.device)
-        zeros = dict(device=self.device, dtype=torch.int64)
-        self.last_token = torch.zeros(slots, **zeros)  # [S]
-        self.pos = torch.zeros(slots, **zeros)  # [S] position of last_token
-        self.active = torch.zeros(slots, dtype=torch.bool, device=self.device)  # [S]
+        # writes reach pos + K (target) and pos + 2K - 1 (draft chain) beyond the last real token
+        self.cache_len = max_len + 2 * self.k + 1
+        self.cache = KVCache(model.config, slots, self.cache_len, param.dtype, self.device)
+        self.draft_cache = None
+        if draft is not None:
+            self.draft_cache = KVCache(draft.config.layer, slots, self.cache_len, param.dtype, self.device)
+        draft_vocab = draft.config.draft_vocab_size if draft is not None else None
+        self.state = DecodeState.empty(slots, self.k, draft_vocab, self.device)
         self.sampling = SamplingTensors(
             temperature=torch.zeros(slots, device=self.device),
-            top_k=torch.zeros(slots, **zeros),
+            top_k=torch.zeros(slots, dtype=torch.int64, device=self.device),
             top_p=torch.ones(slots, device=self.device),
-            seed=torch.zeros(slots, **zeros),
+            seed=torch.zeros(slots, dtype=torch.int64, device=self.device),
         )
         self.sampling_slots: set[int] = set()  # slots whose request samples (temperature > 0)
+        self.step = DecodeStep(model, draft, self.k, self.cache, self.draft_cache, self.state, self.sampling)
+        run: Callable[[int, int, bool], torch.Tensor] = self.step
+        if compile:
+            # one graph per (batch bucket, kv bucket, sampling): up to ~4 x 8 x 2 shapes
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            run = torch.compile(run, fullgraph=True, dynamic=False)
+        if self.device.type == "cuda":
+            run = GraphedStep(run, self.state)
+        self._run_step = run
+        pin = self.device.type == "cuda"
+        self._host_out = torch.zeros((slots, self.k + 2), dtype=torch.int64, pin_memory=pin)
 
     @property
     def slots(self) -> int:
         return self.cache.slots
 
+    def kv_len_for(self, last_position: int) -> int:
+        """Cache positions a forward must see when the furthest slot's pending token sits at last_position."""
+        return self.cache.kv_len_for(last_position + 2 * self.k + 1)
+
     @torch.inference_mode()
     def prefill(self, slot: int, prompt_ids: list[int], params: SamplingParams, seed: int) -> int:
-        """Runs the prompt into `slot`'s cache and returns the first generated token."""
+        """Runs the prompt into `slot`, primes the draft, and returns the first generated token."""
         n = len(prompt_ids)
         self._set_sampling(slot, params, seed)
-        tokens = torch.tensor([prompt_ids], device=self.device)
-        positions = torch.arange(n, device=self.device)[None]
-        hidden, _ = self.model(tokens, positions, self.cache.layers, slot, self.cache.kv_len_for(n))
-        logits = self.model.logits(hidden[:, -1:])  # [1, 1, V]
         row = SamplingTensors(
             *(getattr(self.sampling, f)[slot : slot + 1] for f in SamplingTensors.__annotations__)
         )
-        first = select_tokens(logits, row, positions[:, -1:] + 1, not params.greedy)[0, 0]
-        self.last_token[slot] = first
-        self.pos[slot] = n
-        self.active[slot] = True
+        tokens = torch.tensor([prompt_ids], device=self.device)
+        positions = torch.arange(n, device=self.device)[None]
+        kv_len = self.kv_len_for(n)
+        hidden, aux = self.model(tokens, positions, self.cache.layers, slot, kv_len)
+        logits = self.model.logits(hidden[:, -1:])  # [1, 1, V]
+        first = select_tokens(logits, row, positions[:, -1:] + 1, not params.greedy)  # [1, 1]
+        pending = first
+        if self.draft is not None:
+            assert self.draft_cache is not None and self.state.draft_probs is not None
+            next_tokens = torch.cat((tokens[:, 1:], first), dim=1)  # the row at p reads the token at p + 1
+            drafts, probs = propose(
+                self.draft,
+                aux,
+                next_tokens,
+                positions,
+                torch.tensor([n - 1], device=self.device),
+                self.k,
+                self.draft_cache.layers[0],
+                slot,
+                kv_len,
+                row,
+                not params.greedy,
+            )
+            pending = torch.cat((first, drafts), dim=1)
+            if probs is not None:
+                self.state.draft_probs[slot] = probs[0]
+        self.state.pending[slot] = pending[0]
+        self.state.pos[slot] = n
+        self.state.active[slot] = True
         return int(first)
 
     @torch.inference_mode()
-    def decode(self, kv_len: int) -> torch.Tensor:
-        """One token for every slot (inactive slots compute and are ignored). Returns tokens [S]."""
-        positions = self.pos[:, None]  # [S, 1]
-        hidden, _ = self.model(self.last_token[:, None], positions, self.cache.layers, 0, kv_len)
-        logits = self.model.logits(hidden)  # [S, 1, V]
-        tokens = select_tokens(logits, self.sampling, positions + 1, bool(self.sampling_slots))[:, 0]
-        self.last_token.copy_(torch.where(self.active, tokens, self.last_token))
-        self.pos.add_(self.active.long())
-        return tokens
+    def decode(self, rows: int, last_position: int) -> list[list[int]]:
+        """One step over slots [0, rows). Returns per row its emitted tokens followed by n_acc."""
+        out = self._run_step(rows, self.kv_len_for(last_position), bool(self.sampling_slots))
+        host = self._host_out[:rows]
+        host.copy_(out, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        return host.tolist()
 
     def release(self, slot: int) -> None:
-        self.active[slot] = False
+        self.state.active[slot] = False
         self.sampling_slots.discard(slot)
 
     def _set_sampling(self, slot: int, params: SamplingParams, seed: int) -> None:

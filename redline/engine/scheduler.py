@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 
 from redline.engine.request import Request
-from redline.engine.runner import ModelRunner
+from redline.engine.runner import ModelRunner, batch_bucket
 
 
 class Scheduler:
@@ -33,10 +33,13 @@ class Scheduler:
             events.append((request, request.accept([first])))
             self._admit_or_finish(request)
         if self.running:
-            needed = max(r.position for r in self.running.values()) + 1
-            tokens = self.runner.decode(self.runner.cache.kv_len_for(needed)).tolist()
+            rows = batch_bucket(max(self.running) + 1, self.runner.slots)
+            last_position = max(r.position for r in self.running.values())
+            out = self.runner.decode(rows, last_position)
             for slot, request in list(self.running.items()):
-                events.append((request, request.accept([tokens[slot]])))
+                *emitted, n_acc = out[slot]
+                request.record_step(n_acc)
+                events.append((request, request.accept(emitted[: n_acc + 1])))
                 if request.finished:
                     self._free(slot)
         return events

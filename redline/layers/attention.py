@@ -46,11 +46,10 @@ class AttentionBatch:
         full = k <= q
         chunked = None
         if config.attention_chunk_size is not None:
-            # chunk 8192: a query at 8195 sees keys 8192..8195 only
-            c = config.attention_chunk_size
-            chunked = full & (
-                torch.div(k, c, rounding_mode="floor") == torch.div(q, c, rounding_mode="floor")
-            )
+            # chunk 8192: a query at 8195 sees keys 8192..8195 only (its chunk starts at 8195 - 8195 % 8192).
+            # Written without k // c: inductor (torch 2.13, CPU) miscompiles that floor division.
+            chunk_start = q - torch.remainder(q, config.attention_chunk_size)
+            chunked = full & (k >= chunk_start)
         temperature = None
         if config.attn_temperature_tuning and not all(config.rope_layers):
             steps = torch.floor((positions.float() + 1.0) / config.floor_scale)
@@ -60,15 +59,15 @@ class AttentionBatch:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary):
+    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary, in_features: int | None = None):
         super().__init__()
-        h, hd = config.hidden_size, config.head_dim
+        h, hd = in_features or config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, hd
         bias = config.attention_bias
         self.q_proj = nn.Linear(h, config.num_heads * hd, bias=bias)
         self.k_proj = nn.Linear(h, config.num_kv_heads * hd, bias=bias)
         self.v_proj = nn.Linear(h, config.num_kv_heads * hd, bias=bias)
-        self.o_proj = nn.Linear(config.num_heads * hd, h, bias=bias)
+        self.o_proj = nn.Linear(config.num_heads * hd, config.hidden_size, bias=bias)
         self.rotary = rotary
         self.use_rope = config.is_rope_layer(layer)
         self.chunked = config.is_chunked_layer(layer)

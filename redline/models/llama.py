@@ -53,7 +53,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = Decoder(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.aux_layers: tuple[int, ...] = ()  # layers whose outputs feed an EAGLE-3 draft
+        # EAGLE-3 aux hidden states, by the published configs' convention: id i is the input of layer i
+        # (the output of layer i - 1; id num_layers is the last layer's output before the final norm).
+        self.aux_layers: tuple[int, ...] = ()
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -65,10 +67,10 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [B, T] absolute positions
         cache: list[KVLayer] | None = None,  # per layer k, v [slots, kv_heads, max_len, head_dim]
         slot_start: int = 0,  # rows of this batch are cache slots slot_start .. slot_start + B - 1
-        kv_len: int | None = None,  # cache positions attended; default max(positions) + 1 is not static
+        kv_len: int | None = None,  # cache positions attended (a static bucket), required with a cache
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns the final normed hidden states [B, T, hidden] and, when aux_layers is set, the
-        concatenated outputs of those layers [B, T, len(aux_layers) * hidden]."""
+        concatenated aux hidden states [B, T, len(aux_layers) * hidden]."""
         if cache is None:
             key_positions = positions
         else:
@@ -76,12 +78,14 @@ class LlamaForCausalLM(nn.Module):
             key_positions = torch.arange(kv_len, device=tokens.device)[None]
         batch = AttentionBatch.build(self.config, self.model.rotary, positions, key_positions, slot_start)
         x = self.model.embed_tokens(tokens)
-        aux = []
+        captured = {}
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, batch, None if cache is None else cache[i])
             if i in self.aux_layers:
-                aux.append(x)
-        return self.model.norm(x), torch.cat(aux, dim=-1) if aux else None
+                captured[i] = x
+            x = layer(x, batch, None if cache is None else cache[i])
+        captured[len(self.model.layers)] = x
+        aux = torch.cat([captured[i] for i in self.aux_layers], dim=-1) if self.aux_layers else None
+        return self.model.norm(x), aux
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., vocab] fp32
         return self.lm_head(hidden).float()

@@ -1,0 +1,298 @@
+"""The EAGLE-3 draft head: fc over three fused target hidden states, one decoder layer over
+concat(norm(embedding), norm(hidden)), final norm and an lm_head over a reduced draft vocabulary.
+
+Row convention (shared by inference and training): the draft row at position p reads the target's
+hidden state at p and the embedding of the token at p + 1, and predicts the token at p + 2.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from redline.config import ConfigError, ModelConfig, llama_layer_config
+from redline.layers.attention import Attention, AttentionBatch
+from redline.layers.mlp import MLP
+from redline.layers.norm import RMSNorm
+from redline.layers.rotary import Rotary
+from redline.models.llama import KVLayer, LlamaForCausalLM
+from redline.models.loader import CheckpointError, checkpoint_files, load_weights, save_weights
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """Inputs of layers 2, L/2 and L-3, i.e. the outputs of layers 1, L/2-1 and L-4 (32 layers: 2, 16, 29)."""
+    return (min(2, num_layers), num_layers // 2, max(num_layers - 3, 0))
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    layer: ModelConfig  # the draft's decoder layer (Llama 3 style)
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layers: tuple[int, ...] | None  # None: default_aux_layers of the target
+    norm_before_residual: bool
+    raw: dict[str, Any]
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "draft config") -> Eagle3Config:
+        archs = raw.get("architectures") or []
+        if not any("Eagle3" in a or "eagle3" in a.lower() for a in archs):
+            raise ConfigError(
+                f"{source}: not an EAGLE-3 draft (architectures {archs}); expected {ARCHITECTURE}"
+            )
+        layer = llama_layer_config({**raw, "num_hidden_layers": 1}, ARCHITECTURE)
+        ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        return cls(
+            layer=layer,
+            draft_vocab_size=int(raw.get("draft_vocab_size") or layer.vocab_size),
+            target_hidden_size=int(raw.get("target_hidden_size") or layer.hidden_size),
+            aux_layers=tuple(int(i) for i in ids) if ids else None,
+            norm_before_residual=bool(raw.get("norm_before_residual", False)),
+            raw=raw,
+        )
+
+    @classmethod
+    def from_dir(cls, draft_dir: str | Path) -> Eagle3Config:
+        path = Path(draft_dir) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"no config.json in draft directory {draft_dir}")
+        try:
+            return cls.from_dict(json.loads(path.read_text()), source=str(path))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from e
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, config: Eagle3Config, rotary: Rotary):
+        super().__init__()
+        c = config.layer
+        self.norm_before_residual = config.norm_before_residual
+        self.self_attn = Attention(c, 0, rotary, in_features=2 * c.hidden_size)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(
+        self,
+        embeds: torch.Tensor,  # [B, T, H] embeddings of the tokens at p + 1
+        hidden: torch.Tensor,  # [B, T, H] fused target hidden (or the draft's own) at p
+        batch: AttentionBatch,
+        cache: KVLayer | None,
+    ) -> torch.Tensor:
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat((self.input_layernorm(embeds), normed), dim=-1)
+        x = residual + self.self_attn(x, batch, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        c = config.layer
+        self.config = config
+        self.rotary = Rotary(c.rope, c.head_dim, interleaved=False)
+        self.fc = nn.Linear(
+            len(config.aux_layers or (0, 0, 0)) * config.target_hidden_size, c.hidden_size, bias=False
+        )
+        self.midlayer = Eagle3Layer(config, self.rotary)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, config.draft_vocab_size, bias=False)
+        # d2t[i]: draft id i is target id i + d2t[i]; t2d[j]: target id j is in the draft vocabulary
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.ones(c.vocab_size, dtype=torch.bool))
+        self.embed_tokens: nn.Embedding | None = None  # own embeddings if the checkpoint has them
+        self._target_embed: list[nn.Embedding] = []  # else the target's (a list keeps it out of state_dict)
+
+    def attach(self, target: LlamaForCausalLM) -> None:
+        """Shares the target's embeddings (and lm_head when the draft ships none) and sets the aux layers."""
+        self._target_embed = [target.model.embed_tokens]
+        target.aux_layers = self.aux_layers(target.config.num_layers)
+
+    def aux_layers(self, target_layers: int) -> tuple[int, ...]:
+        return self.config.aux_layers or default_aux_layers(target_layers)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        table = self.embed_tokens if self.embed_tokens is not None else self._target_embed[0]
+        return table(tokens)
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:  # [..., 3 * target_hidden] -> [..., H]
+        return self.fc(aux.to(self.fc.weight.dtype))
+
+    def forward(
+        self,
+        next_tokens: torch.Tensor,  # [B, T] the token at p + 1 for each row
+        hidden: torch.Tensor,  # [B, T, H]
+        positions: torch.Tensor,  # [B, T] p
+        cache: KVLayer | None,  # [slots, kv_heads, max_len, head_dim] each
+        slot_start: int = 0,
+        kv_len: int | None = None,
+    ) -> torch.Tensor:  # [B, T, H] the draft's hidden state (before the final norm)
+        key_positions = positions if cache is None else torch.arange(kv_len, device=positions.device)[None]
+        batch = AttentionBatch.build(self.config.layer, self.rotary, positions, key_positions, slot_start)
+        return self.midlayer(self.embed(next_tokens), hidden, batch, cache)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., draft_vocab] fp32
+        return self.lm_head(self.norm(hidden)).float()
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft ids -> target ids. d2t = [0, 0, 3, ...]: draft id 2 is target id 5."""
+        return draft_ids + self.d2t[draft_ids]
+
+
+def _rename_draft_key(key: str) -> str:
+    """Other exports name the layer `model.layers.0.*` or `layers.0.*`; we use EAGLE's `midlayer.*`."""
+    for prefix in ("model.layers.0.", "layers.0."):
+        if key.startswith(prefix):
+            return "midlayer." + key[len(prefix) :]
+    return key.removeprefix("model.")
+
+
+def load_draft(
+    draft_dir: str | Path, target: LlamaForCausalLM, dtype: torch.dtype, device: str | torch.device = "cpu"
+) -> Eagle3Draft:
+    """Loads an EAGLE-3 checkpoint for `target` and attaches it (embeddings, aux layers)."""
+    config = Eagle3Config.from_dir(draft_dir)
+    keys = {_rename_draft_key(k) for k in checkpoint_files(Path(draft_dir))}
+    own_embeddings, own_head = "embed_tokens.weight" in keys, "lm_head.weight" in keys
+    _check_fits(config, target.config, draft_dir, own_embeddings, own_head)
+    with torch.device("meta"):
+        draft = Eagle3Draft(config)
+        if own_embeddings:
+            draft.embed_tokens = nn.Embedding(config.layer.vocab_size, config.layer.hidden_size)
+    optional = ["d2t", "t2d", "lm_head.weight"]
+    load_weights(draft, draft_dir, dtype=dtype, device=device, rename=_rename_draft_key, optional=optional)
+    if not own_head:
+        draft.lm_head.weight = target.lm_head.weight
+    for name in ("d2t", "t2d"):  # absent: identity vocabulary (draft_vocab_size == vocab_size was checked)
+        if getattr(draft, name).is_meta:
+            full = torch.zeros if name == "d2t" else torch.ones
+            size = config.draft_vocab_size if name == "d2t" else config.layer.vocab_size
+            draft.register_buffer(
+                name, full(size, dtype=torch.int64 if name == "d2t" else torch.bool, device=device)
+            )
+    draft.d2t = draft.d2t.long()
+    draft.t2d = draft.t2d.bool()
+    draft.rotary.materialize(torch.device(device))
+    draft.attach(target)
+    _check_aux_width(draft, target, draft_dir)
+    return draft.eval()
+
+
+def _check_fits(
+    config: Eagle3Config, target: ModelConfig, draft_dir: str | Path, own_embeddings: bool, own_head: bool
+) -> None:
+    problems = []
+    if config.layer.vocab_size != target.vocab_size:
+        problems.append(f"vocab_size {config.layer.vocab_size} != target's {target.vocab_size}")
+    if config.target_hidden_size != target.hidden_size:
+        problems.append(
+            f"target_hidden_size {config.target_hidden_size} != target's hidden_size {target.hidden_size}"
+        )
+    if not own_embeddings and config.layer.hidden_size != target.hidden_size:
+        problems.append(
+            f"hidden_size {config.layer.hidden_size} != target's {target.hidden_size} "
+            "and the draft has no embed_tokens of its own"
+        )
+    if not own_head and config.draft_vocab_size != target.vocab_size:
+        problems.append(
+            f"no lm_head in the draft and draft_vocab_size {config.draft_vocab_size} != target "
+            f"vocab {target.vocab_size}"
+        )
+    if config.draft_vocab_size > target.vocab_size:
+        problems.append(f"draft_vocab_size {config.draft_vocab_size} > target vocab {target.vocab_size}")
+    if any(not 0 <= i <= target.num_layers for i in config.aux_layers or ()):
+        problems.append(f"aux layer ids {config.aux_layers} outside 0..{target.num_layers}")
+    if problems:
+        raise ConfigError(
+            f"draft {draft_dir} does not fit target {target.architecture}: " + "; ".join(problems)
+        )
+
+
+def _check_aux_width(draft: Eagle3Draft, target: LlamaForCausalLM, draft_dir: str | Path) -> None:
+    expected = len(target.aux_layers) * target.config.hidden_size
+    if draft.fc.in_features != expected:
+        raise CheckpointError(
+            f"{draft_dir}: fc.weight takes {draft.fc.in_features} inputs, "
+            f"the target's aux hidden states have {expected}"
+        )
+
+
+def draft_config_dict(draft: Eagle3Draft) -> dict[str, Any]:
+    """config.json in the layout vLLM and SGLang accept for EAGLE-3 drafts."""
+    c = draft.config
+    layer = c.layer
+    raw = {k: v for k, v in c.raw.items() if k not in ("eagle_config",)}
+    raw.update(
+        architectures=[ARCHITECTURE],
+        model_type="llama",
+        hidden_size=layer.hidden_size,
+        intermediate_size=layer.intermediate_size,
+        num_attention_heads=layer.num_heads,
+        num_key_value_heads=layer.num_kv_heads,
+        head_dim=layer.head_dim,
+        num_hidden_layers=1,
+        rms_norm_eps=layer.rms_norm_eps,
+        vocab_size=layer.vocab_size,
+        draft_vocab_size=c.draft_vocab_size,
+        target_hidden_size=c.target_hidden_size,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+    )
+    if c.aux_layers is not None:
+        raw["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(c.aux_layers)}
+    return raw
+
+
+def save_draft(draft: Eagle3Draft, out_dir: str | Path) -> None:
+    """Writes config.json + model.safetensors with `midlayer.*` keys (EAGLE / SpecForge layout)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_weights(dict(draft.state_dict()), out)
+    (out / "config.json").write_text(json.dumps(draft_config_dict(draft), indent=2))
+
+
+def draft_config_for(
+    target: ModelConfig,
+    draft_vocab_size: int | None = None,
+    intermediate_size: int | None = None,
+    aux_layers: tuple[int, ...] | None = None,
+) -> Eagle3Config:
+    """A fresh draft's config for `target` (for training, and for tests)."""
+    raw = dict(
+        architectures=[ARCHITECTURE],
+        model_type="llama",
+        hidden_size=target.hidden_size,
+        intermediate_size=intermediate_size or target.intermediate_size,
+        num_attention_heads=target.num_heads,
+        num_key_value_heads=target.num_kv_heads,
+        head_dim=target.head_dim,
+        num_hidden_layers=1,
+        rms_norm_eps=target.rms_norm_eps,
+        max_position_embeddings=target.max_position,
+        rope_theta=target.rope.theta,
+        vocab_size=target.vocab_size,
+        draft_vocab_size=draft_vocab_size or target.vocab_size,
+        target_hidden_size=target.hidden_size,
+        bos_token_id=target.bos_token_id,
+    )
+    if target.rope.scaling == "llama3":
+        r = target.rope
+        raw["rope_scaling"] = dict(
+            rope_type="llama3",
+            factor=r.factor,
+            low_freq_factor=r.low_freq_factor,
+            high_freq_factor=r.high_freq_factor,
+            original_max_position_embeddings=r.original_max_position,
+        )
+    if aux_layers is not None:
+        raw["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_layers)}
+    return Eagle3Config.from_dict(raw)

@@ -1,0 +1,46 @@
+"""The draft's K proposals: one draft pass over the verified rows (static shape), a gather of the row
+each slot continues from, then K - 1 single-token steps on the draft's own hidden state."""
+
+from __future__ import annotations
+
+import torch
+
+from redline.models.eagle3 import Eagle3Draft
+from redline.models.llama import KVLayer
+from redline.sampling import SamplingTensors, filtered_probs, sample_from
+
+DRAFT_STREAM = 2  # random stream of draft sampling
+
+
+def propose(
+    draft: Eagle3Draft,
+    aux: torch.Tensor,  # [B, T, 3 * H_target] target aux hidden states at `positions`
+    next_tokens: torch.Tensor,  # [B, T] the token at position p + 1 for the row at p
+    positions: torch.Tensor,  # [B, T]
+    row: torch.Tensor,  # [B] the last row whose next token is known (the chain continues from it)
+    k: int,
+    cache: KVLayer,
+    slot_start: int,
+    kv_len: int,
+    sampling: SamplingTensors,
+    any_sampling: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Returns draft tokens [B, K] (target ids) and, when sampling, their distributions [B, K, V_draft]."""
+    hidden = draft(next_tokens, draft.fuse(aux), positions, cache, slot_start, kv_len)  # [B, T, H]
+    h = hidden.gather(1, row[:, None, None].expand(-1, 1, hidden.shape[-1]))  # [B, 1, H]
+    position = positions.gather(1, row[:, None])  # [B, 1] the row at p predicts the token at p + 2
+    tokens, probs = [], []
+    for step in range(k):
+        logits = draft.logits(h)  # [B, 1, V_draft]
+        if any_sampling:
+            q = filtered_probs(logits, sampling)
+            choice = sample_from(q, sampling.seed, position + 2, DRAFT_STREAM)
+            probs.append(q)
+        else:
+            choice = logits.argmax(dim=-1)
+        token = draft.to_target(choice)  # [B, 1]
+        tokens.append(token)
+        if step < k - 1:
+            position = position + 1
+            h = draft(token, h, position, cache, slot_start, kv_len)
+    return torch.cat(tokens, dim=1), torch.cat(probs, dim=1) if any_sampling else None

@@ -1,0 +1,121 @@
+"""The decode step: target forward over pending tokens, verification, draft proposals, state update.
+
+A pure function of device tensors with static shapes (no host sync, no data-dependent branch), so it
+compiles with fullgraph=True and captures as one CUDA graph. Without a draft it is plain decoding
+(K = 0: pending holds just the last token).
+
+state, one row per slot:
+  pending [S, K + 1]  the last emitted token, then K draft tokens
+  pos [S]             absolute position of pending[:, 0]
+  active [S]          rows of free slots compute but never advance
+  draft_probs [S, K, V_draft]  the distributions the drafts were sampled from (sampling requests only)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from redline.engine.kv_cache import KVCache
+from redline.models.eagle3 import Eagle3Draft
+from redline.models.llama import LlamaForCausalLM
+from redline.sampling import SamplingTensors, filtered_probs, select_tokens
+from redline.spec.draft_loop import propose
+from redline.spec.verify import greedy_verify, rejection_verify
+
+
+@dataclass
+class DecodeState:
+    pending: torch.Tensor  # [S, K + 1] int64
+    pos: torch.Tensor  # [S] int64
+    active: torch.Tensor  # [S] bool
+    draft_probs: torch.Tensor | None  # [S, K, V_draft] fp32
+
+    @classmethod
+    def empty(cls, slots: int, k: int, draft_vocab: int | None, device: torch.device) -> DecodeState:
+        probs = None if draft_vocab is None else torch.zeros(slots, k, draft_vocab, device=device)
+        return cls(
+            pending=torch.zeros(slots, k + 1, dtype=torch.int64, device=device),
+            pos=torch.zeros(slots, dtype=torch.int64, device=device),
+            active=torch.zeros(slots, dtype=torch.bool, device=device),
+            draft_probs=probs,
+        )
+
+
+class DecodeStep:
+    """Callable step over slots [0, rows). Returns out [rows, K + 2]: emitted tokens [:, :K + 1] (the first
+    n_acc + 1 are new) and n_acc in the last column, so the host reads one tensor per step."""
+
+    def __init__(
+        self,
+        target: LlamaForCausalLM,
+        draft: Eagle3Draft | None,
+        k: int,
+        cache: KVCache,
+        draft_cache: KVCache | None,
+        state: DecodeState,
+        sampling: SamplingTensors,
+    ):
+        self.target, self.draft, self.k = target, draft, k
+        self.cache, self.draft_cache = cache, draft_cache
+        self.state, self.sampling = state, sampling
+        if draft is not None:
+            # draft id -> target id for the whole draft vocabulary, to lift q onto the target vocabulary
+            self.draft_to_target = draft.to_target(
+                torch.arange(draft.config.draft_vocab_size, device=state.pos.device)
+            )
+
+    def __call__(self, rows: int, kv_len: int, any_sampling: bool) -> torch.Tensor:
+        st, k = self.state, self.k
+        pending, pos, active = st.pending[:rows], st.pos[:rows], st.active[:rows]
+        sampling = SamplingTensors(
+            *(getattr(self.sampling, f)[:rows] for f in SamplingTensors.__annotations__)
+        )
+        positions = pos[:, None] + torch.arange(k + 1, device=pos.device)  # [B, K + 1]
+        hidden, aux = self.target(pending, positions, self.cache.layers, 0, kv_len)
+        logits = self.target.logits(hidden)  # [B, K + 1, V]
+        if self.draft is None:
+            emitted = select_tokens(logits, sampling, positions + 1, any_sampling)  # [B, 1]
+            n_acc = torch.zeros_like(pos)
+        elif any_sampling:
+            p = filtered_probs(logits, sampling)
+            emitted, n_acc = rejection_verify(
+                p, self._draft_q(rows, pending, sampling), pending[:, 1:], sampling.seed, positions
+            )
+        else:
+            emitted, n_acc = greedy_verify(logits, pending[:, 1:])
+        bonus = emitted.gather(1, n_acc[:, None])  # [B, 1] the new pending[:, 0]
+        new_pending = bonus
+        if self.draft is not None:
+            assert self.draft_cache is not None
+            drafts, probs = propose(
+                self.draft,
+                aux,
+                emitted,
+                positions,
+                n_acc,
+                k,
+                self.draft_cache.layers[0],
+                0,
+                kv_len,
+                sampling,
+                any_sampling,
+            )
+            new_pending = torch.cat((bonus, drafts), dim=1)
+            if probs is not None and st.draft_probs is not None:
+                st.draft_probs[:rows] = probs
+        st.pending[:rows] = torch.where(active[:, None], new_pending, pending)
+        st.pos[:rows] = pos + (n_acc + 1) * active
+        return torch.cat((emitted, n_acc[:, None]), dim=1)
+
+    def _draft_q(self, rows: int, pending: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
+        """Draft distributions on the target vocabulary [B, K, V]; greedy rows get a one-hot on their draft
+        (their stored distributions may be stale, and greedy verification needs exactly that)."""
+        assert self.state.draft_probs is not None
+        vocab = self.target.config.vocab_size
+        q_draft = self.state.draft_probs[:rows]  # [B, K, V_draft]
+        index = self.draft_to_target.expand(*q_draft.shape[:2], -1)
+        q = torch.zeros(*q_draft.shape[:2], vocab, device=q_draft.device).scatter_(-1, index, q_draft)
+        one_hot = torch.nn.functional.one_hot(pending[:, 1:], vocab).float()
+        return torch.where(sampling.temperature[:, None, None] > 0, q, one_hot)

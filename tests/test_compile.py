@@ -1,0 +1,47 @@
+"""The decode step compiles with fullgraph=True and is not recompiled from step to step."""
+
+from __future__ import annotations
+
+import torch
+import torch._dynamo
+from conftest import (
+    build_hf_model,
+    greedy_divergence_is_a_near_tie,
+    llama4_hf_config,
+    save_hf_model,
+    write_random_draft,
+)
+
+from redline import LLM, SamplingParams
+from redline.engine.request import Request
+
+
+def test_compiled_speculative_step_never_recompiles(tmp_path, tokenizer_dir):
+    """Llama 4 target (MoE, chunked attention) + draft, K = 3, two slots, 20 steps inside one kv bucket."""
+    target_dir = save_hf_model(build_hf_model(llama4_hf_config()), tmp_path / "t", tokenizer_dir)
+    draft_dir = write_random_draft(target_dir, tmp_path / "d", draft_vocab=200)
+    torch._dynamo.reset()
+    llm = LLM(
+        target_dir,
+        dtype="float32",
+        max_batch=2,
+        max_seq_len=512,
+        draft=draft_dir,
+        num_draft_tokens=3,
+        compile=True,
+    )
+    prompts = [torch.randint(5, 384, (140,)).tolist(), torch.randint(5, 384, (150,)).tolist()]
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    requests = [Request(p, params, llm.tokenizer, frozenset(), num_draft_tokens=3) for p in prompts]
+    for r in requests:
+        llm.scheduler.add(r)
+    llm.scheduler.step()  # prefill both, first (compiling) step
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(20):
+            llm.scheduler.step()
+    eager = LLM(target_dir, dtype="float32", max_batch=2, draft=draft_dir, num_draft_tokens=3)
+    for prompt, r in zip(prompts, requests, strict=True):
+        n = len(r.output_ids)
+        assert n >= 21
+        [want] = eager.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True))
+        assert greedy_divergence_is_a_near_tie(eager.model, prompt, r.output_ids, want.token_ids)

@@ -1,0 +1,104 @@
+"""Speculative sampling is lossless: sampled tokens follow the target's exact distribution.
+
+A 12-token vocabulary keeps exact distributions computable: the marginal of the 2nd and 3rd generated
+tokens (both produced by verification steps with K = 2: accepted drafts, corrections or bonus tokens)
+is summed over all prefixes with the target itself, and compared with a chi-square test.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import build_hf_model, llama3_hf_config, write_random_draft
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from redline import LLM, SamplingParams
+from redline.sampling import SamplingTensors, filtered_probs
+
+VOCAB = 12
+PROMPT = [1, 2, 3]
+
+
+def chi2_critical(df: int, z: float = 3.09) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile; z = 3.09 is the 0.999 normal quantile,
+    so each comparison falsely fails about 0.1% of the time."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny-vocab")
+    target_dir = root / "target"
+    hf = build_hf_model(
+        llama3_hf_config(vocab_size=VOCAB, eos_token_id=None, bos_token_id=None, initializer_range=0.3)
+    )
+    hf.save_pretrained(target_dir, safe_serialization=True)
+    words = {chr(ord("a") + i): i for i in range(VOCAB)}
+    tok = Tokenizer(models.WordLevel(words, unk_token="a"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(target_dir / "tokenizer.json"))
+    (target_dir / "tokenizer_config.json").write_text(json.dumps({}))
+    draft_dir = write_random_draft(target_dir, root / "draft", draft_vocab=8, std=0.3)
+    return target_dir, draft_dir
+
+
+def exact_marginals(model, temperature: float, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """P(x2) and P(x3) under plain sampling from the filtered target distribution."""
+
+    def next_probs(prefixes: torch.Tensor) -> torch.Tensor:  # [N, T] -> [N, V]
+        n = prefixes.shape[0]
+        with torch.no_grad():
+            hidden, _ = model(prefixes, torch.arange(prefixes.shape[1]).expand(n, -1))
+        t = SamplingTensors(
+            torch.full((n,), temperature),
+            torch.zeros(n, dtype=torch.int64),
+            torch.full((n,), top_p),
+            torch.zeros(n, dtype=torch.int64),
+        )
+        return filtered_probs(model.logits(hidden[:, -1:]), t)[:, 0]
+
+    ids = torch.arange(VOCAB)
+    p1 = next_probs(torch.tensor([PROMPT]))[0]  # [V]
+    pre2 = torch.cat((torch.tensor(PROMPT).expand(VOCAB, -1), ids[:, None]), dim=1)  # [V, 4]
+    p2_given_1 = next_probs(pre2)  # [V, V]
+    joint12 = p1[:, None] * p2_given_1
+    pre3 = torch.cat((pre2.repeat_interleave(VOCAB, 0), ids.repeat(VOCAB)[:, None]), dim=1)  # [V*V, 5]
+    p3 = (joint12.reshape(-1, 1) * next_probs(pre3)).sum(0)
+    return joint12.sum(0), p3
+
+
+def chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Chi-square statistic over cells with expected count >= 5 (the rest pooled into one cell)."""
+    n = counts.sum()
+    expected = probs.double() * n
+    big = expected >= 5
+    obs = torch.cat((counts[big].double(), counts[~big].double().sum()[None]))
+    exp = torch.cat((expected[big], expected[~big].sum()[None]))
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum().item()
+    return stat, int(keep.sum()) - 1
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_sampled_tokens_follow_the_target_distribution(tiny_vocab_pair, top_p):
+    target_dir, draft_dir = tiny_vocab_pair
+    llm = LLM(target_dir, dtype="float32", max_batch=32, draft=draft_dir, num_draft_tokens=2)
+    n, temperature = 3000, 1.0
+    base = torch.randint(0, 2**40, (1,)).item()
+    params = [
+        SamplingParams(max_tokens=3, temperature=temperature, top_p=top_p, seed=base + i, ignore_eos=True)
+        for i in range(n)
+    ]
+    completions = llm.generate([PROMPT] * n, params)
+    tokens = torch.tensor([c.token_ids for c in completions])  # [n, 3]
+    rates = torch.tensor([c.acceptance_rates[0] for c in completions])
+    assert 0.05 < rates.mean() < 0.95, "both the accept and the reject path must be exercised"
+    p2, p3 = exact_marginals(llm.model, temperature, top_p)
+    for position, probs in ((1, p2), (2, p3)):
+        counts = torch.bincount(tokens[:, position], minlength=VOCAB)
+        assert counts[probs == 0].sum() == 0, "a token outside the top-p set was emitted"
+        stat, df = chi2(counts, probs)
+        assert stat < chi2_critical(df), f"token {position + 1}: chi2 {stat:.1f} (df {df})"
