@@ -112,32 +112,6 @@ def llama3_dir(tmp_path, tokenizer_dir):
     return save_hf_model(model, tmp_path / "llama3", tokenizer_dir), model
 
 
-def write_random_draft(
-    target_dir: Path, out: Path, draft_vocab: int | None = None, seed: int = 0, std: float = 0.1
-) -> Path:
-    """A random EAGLE-3 draft for the target in `target_dir`; with draft_vocab, a random sub-vocabulary."""
-    from redline.config import ModelConfig
-    from redline.models.eagle3 import Eagle3Draft, draft_config_for, save_draft
-
-    target = ModelConfig.from_dir(target_dir)
-    gen = torch.Generator().manual_seed(seed)
-    draft = Eagle3Draft(draft_config_for(target, draft_vocab))
-    with torch.no_grad():
-        for name, p in draft.named_parameters():
-            p.copy_(
-                torch.ones_like(p)
-                if name.endswith("norm.weight")
-                else torch.randn(p.shape, generator=gen) * std
-            )
-        if draft_vocab:
-            ids = torch.randperm(target.vocab_size, generator=gen)[:draft_vocab].sort().values
-            draft.d2t.copy_(ids - torch.arange(draft_vocab))
-            draft.t2d.zero_()
-            draft.t2d[ids] = True
-    save_draft(draft, out)
-    return out
-
-
 def greedy_divergence_is_a_near_tie(model, prompt: list[int], a: list[int], b: list[int], atol: float = 1e-4):
     """True when a == b, or when they first differ where `model`'s top-two logits (on a's prefix) are
     within atol: an fp32 rounding tie that any two correct implementations may break differently."""

@@ -85,7 +85,7 @@ def test_console_script_runs(model_dir):
 
 
 def test_generate_with_a_draft_prints_acceptance(model_dir, tmp_path, capsys):
-    from conftest import write_random_draft
+    from redline.models.random_init import write_random_draft
 
     draft = write_random_draft(model_dir, tmp_path / "draft", draft_vocab=100)
     code = main(

@@ -9,11 +9,11 @@ from conftest import (
     greedy_divergence_is_a_near_tie,
     llama4_hf_config,
     save_hf_model,
-    write_random_draft,
 )
 
 from redline import LLM, SamplingParams
 from redline.engine.request import Request
+from redline.models.random_init import write_random_draft
 
 
 def test_compiled_speculative_step_never_recompiles(tmp_path, tokenizer_dir):

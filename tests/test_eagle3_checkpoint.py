@@ -6,12 +6,13 @@ import json
 
 import pytest
 import torch
-from conftest import build_hf_model, llama3_hf_config, save_hf_model, write_random_draft
+from conftest import build_hf_model, llama3_hf_config, save_hf_model
 from safetensors.torch import load_file, save_file
 
 from redline.config import ConfigError
 from redline.models.build import load_target
 from redline.models.eagle3 import default_aux_layers, load_draft, save_draft
+from redline.models.random_init import write_random_draft
 
 
 @pytest.fixture(scope="module")

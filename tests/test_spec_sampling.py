@@ -12,10 +12,11 @@ import math
 
 import pytest
 import torch
-from conftest import build_hf_model, llama3_hf_config, write_random_draft
+from conftest import build_hf_model, llama3_hf_config
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from redline import LLM, SamplingParams
+from redline.models.random_init import write_random_draft
 from redline.sampling import SamplingTensors, filtered_probs
 
 VOCAB = 12

@@ -10,10 +10,10 @@ from conftest import (
     llama3_hf_config,
     llama4_hf_config,
     save_hf_model,
-    write_random_draft,
 )
 
 from redline import LLM, SamplingParams
+from redline.models.random_init import write_random_draft
 from redline.tokenizer import Tokenizer
 
 TARGETS = {

@@ -72,3 +72,29 @@ def write_random_model(out_dir: str | Path, vocab_size: int = 512, seed: int = 0
     vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
     write_random_checkpoint(out, llama3_config(len(vocab), **overrides), seed)
     return out
+
+
+def write_random_draft(
+    target_dir: str | Path, out: str | Path, draft_vocab: int | None = None, seed: int = 0, std: float = 0.1
+) -> Path:
+    """A random EAGLE-3 draft for the target in `target_dir`; with draft_vocab, a random sub-vocabulary."""
+    from redline.models.eagle3 import Eagle3Draft, draft_config_for, save_draft
+
+    target = ModelConfig.from_dir(target_dir)
+    gen = torch.Generator().manual_seed(seed)
+    draft = Eagle3Draft(draft_config_for(target, draft_vocab))
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            fresh = (
+                torch.ones_like(p)
+                if name.endswith("norm.weight")
+                else torch.randn(p.shape, generator=gen) * std
+            )
+            p.copy_(fresh)
+        if draft_vocab:
+            ids = torch.randperm(target.vocab_size, generator=gen)[:draft_vocab].sort().values
+            draft.d2t.copy_(ids - torch.arange(draft_vocab))
+            draft.t2d.zero_()
+            draft.t2d[ids] = True
+    save_draft(draft, out)
+    return Path(out)
