@@ -82,6 +82,11 @@ class SamplingTensors:
     top_p: torch.Tensor  # [B] fp32
     seed: torch.Tensor  # [B] int64
 
+    def rows(self, start: int, stop: int) -> SamplingTensors:
+        """Views of rows start .. stop - 1 (a batch bucket, or one slot for prefill)."""
+        w = slice(start, stop)
+        return SamplingTensors(self.temperature[w], self.top_k[w], self.top_p[w], self.seed[w])
+
 
 def filtered_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """Temperature, then top-k, then top-p, as one distribution per row.

@@ -81,9 +81,7 @@ class ModelRunner:
         """Runs the prompt into `slot`, primes the draft, and returns the first generated token."""
         n = len(prompt_ids)
         self._set_sampling(slot, params, seed)
-        row = SamplingTensors(
-            *(getattr(self.sampling, f)[slot : slot + 1] for f in SamplingTensors.__annotations__)
-        )
+        row = self.sampling.rows(slot, slot + 1)
         tokens = torch.tensor([prompt_ids], device=self.device)
         positions = torch.arange(n, device=self.device)[None]
         kv_len = self.kv_len_for(n)

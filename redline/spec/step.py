@@ -69,9 +69,7 @@ class DecodeStep:
     def __call__(self, rows: int, kv_len: int, any_sampling: bool) -> torch.Tensor:
         st, k = self.state, self.k
         pending, pos, active = st.pending[:rows], st.pos[:rows], st.active[:rows]
-        sampling = SamplingTensors(
-            *(getattr(self.sampling, f)[:rows] for f in SamplingTensors.__annotations__)
-        )
+        sampling = self.sampling.rows(0, rows)
         positions = pos[:, None] + torch.arange(k + 1, device=pos.device)  # [B, K + 1]
         hidden, aux = self.target(pending, positions, self.cache.layers, 0, kv_len)
         logits = self.target.logits(hidden)  # [B, K + 1, V]
