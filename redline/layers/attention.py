@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from redline.config import ModelConfig
+from redline.layers.linear import Linear
 from redline.layers.norm import rms_normalize
 from redline.layers.rotary import Rotary
 
@@ -64,10 +65,10 @@ class Attention(nn.Module):
         h, hd = in_features or config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, hd
         bias = config.attention_bias
-        self.q_proj = nn.Linear(h, config.num_heads * hd, bias=bias)
-        self.k_proj = nn.Linear(h, config.num_kv_heads * hd, bias=bias)
-        self.v_proj = nn.Linear(h, config.num_kv_heads * hd, bias=bias)
-        self.o_proj = nn.Linear(config.num_heads * hd, config.hidden_size, bias=bias)
+        self.q_proj = Linear(h, config.num_heads * hd, bias=bias)
+        self.k_proj = Linear(h, config.num_kv_heads * hd, bias=bias)
+        self.v_proj = Linear(h, config.num_kv_heads * hd, bias=bias)
+        self.o_proj = Linear(config.num_heads * hd, config.hidden_size, bias=bias)
         self.rotary = rotary
         self.use_rope = config.is_rope_layer(layer)
         self.chunked = config.is_chunked_layer(layer)

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from redline.layers.linear import Linear
 from redline.layers.mlp import MLP
 
 
@@ -33,7 +34,7 @@ class MoE(nn.Module):
     def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
-        self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.router = Linear(hidden, num_experts, bias=False)
         self.experts = Experts(num_experts, hidden, inter)
         self.shared_expert = MLP(hidden, inter)
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from redline.config import ConfigError, ModelConfig, llama_layer_config
 from redline.layers.attention import Attention, AttentionBatch
+from redline.layers.linear import Linear
 from redline.layers.mlp import MLP
 from redline.layers.norm import RMSNorm
 from redline.layers.rotary import Rotary
@@ -100,12 +101,12 @@ class Eagle3Draft(nn.Module):
         c = config.layer
         self.config = config
         self.rotary = Rotary(c.rope, c.head_dim, interleaved=False)
-        self.fc = nn.Linear(
+        self.fc = Linear(
             len(config.aux_layers or (0, 0, 0)) * config.target_hidden_size, c.hidden_size, bias=False
         )
         self.midlayer = Eagle3Layer(config, self.rotary)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.lm_head = nn.Linear(c.hidden_size, config.draft_vocab_size, bias=False)
+        self.lm_head = Linear(c.hidden_size, config.draft_vocab_size, bias=False)
         # d2t[i]: draft id i is target id i + d2t[i]; t2d[j]: target id j is in the draft vocabulary
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.ones(c.vocab_size, dtype=torch.bool))
@@ -226,12 +227,9 @@ def _check_aux_width(draft: Eagle3Draft, target: LlamaForCausalLM, draft_dir: st
         )
 
 
-def draft_config_dict(draft: Eagle3Draft) -> dict[str, Any]:
-    """config.json in the layout vLLM and SGLang accept for EAGLE-3 drafts."""
-    c = draft.config
-    layer = c.layer
-    raw = {k: v for k, v in c.raw.items() if k not in ("eagle_config",)}
-    raw.update(
+def _draft_fields(layer: ModelConfig, draft_vocab_size: int, target_hidden_size: int) -> dict[str, Any]:
+    """The config.json fields that describe a draft's one decoder layer and its vocabularies."""
+    return dict(
         architectures=[ARCHITECTURE],
         model_type="llama",
         hidden_size=layer.hidden_size,
@@ -242,14 +240,25 @@ def draft_config_dict(draft: Eagle3Draft) -> dict[str, Any]:
         num_hidden_layers=1,
         rms_norm_eps=layer.rms_norm_eps,
         vocab_size=layer.vocab_size,
-        draft_vocab_size=c.draft_vocab_size,
-        target_hidden_size=c.target_hidden_size,
+        draft_vocab_size=draft_vocab_size,
+        target_hidden_size=target_hidden_size,
         hidden_act="silu",
         tie_word_embeddings=False,
     )
-    if c.aux_layers is not None:
-        raw["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(c.aux_layers)}
+
+
+def _with_aux_layers(raw: dict[str, Any], aux_layers: tuple[int, ...] | None) -> dict[str, Any]:
+    if aux_layers is not None:
+        raw["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_layers)}
     return raw
+
+
+def draft_config_dict(draft: Eagle3Draft) -> dict[str, Any]:
+    """config.json in the layout vLLM and SGLang accept for EAGLE-3 drafts."""
+    c = draft.config
+    raw = {k: v for k, v in c.raw.items() if k != "eagle_config"}
+    raw.update(_draft_fields(c.layer, c.draft_vocab_size, c.target_hidden_size))
+    return _with_aux_layers(raw, c.aux_layers)
 
 
 def save_draft(draft: Eagle3Draft, out_dir: str | Path) -> None:
@@ -267,21 +276,11 @@ def draft_config_for(
     aux_layers: tuple[int, ...] | None = None,
 ) -> Eagle3Config:
     """A fresh draft's config for `target` (for training, and for tests)."""
-    raw = dict(
-        architectures=[ARCHITECTURE],
-        model_type="llama",
-        hidden_size=target.hidden_size,
+    fields = _draft_fields(target, draft_vocab_size or target.vocab_size, target.hidden_size)
+    raw = fields | dict(
         intermediate_size=intermediate_size or target.intermediate_size,
-        num_attention_heads=target.num_heads,
-        num_key_value_heads=target.num_kv_heads,
-        head_dim=target.head_dim,
-        num_hidden_layers=1,
-        rms_norm_eps=target.rms_norm_eps,
         max_position_embeddings=target.max_position,
         rope_theta=target.rope.theta,
-        vocab_size=target.vocab_size,
-        draft_vocab_size=draft_vocab_size or target.vocab_size,
-        target_hidden_size=target.hidden_size,
         bos_token_id=target.bos_token_id,
     )
     if target.rope.scaling == "llama3":
@@ -293,6 +292,4 @@ def draft_config_for(
             high_freq_factor=r.high_freq_factor,
             original_max_position_embeddings=r.original_max_position,
         )
-    if aux_layers is not None:
-        raw["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_layers)}
-    return Eagle3Config.from_dict(raw)
+    return Eagle3Config.from_dict(_with_aux_layers(raw, aux_layers))

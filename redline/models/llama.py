@@ -11,6 +11,7 @@ from torch import nn
 
 from redline.config import ModelConfig
 from redline.layers.attention import Attention, AttentionBatch
+from redline.layers.linear import Linear
 from redline.layers.mlp import MLP
 from redline.layers.moe import MoE
 from redline.layers.norm import RMSNorm
@@ -52,7 +53,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = Decoder(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         # EAGLE-3 aux hidden states, by the published configs' convention: id i is the input of layer i
         # (the output of layer i - 1; id num_layers is the last layer's output before the final norm).
         self.aux_layers: tuple[int, ...] = ()
