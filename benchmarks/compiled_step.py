@@ -67,9 +67,7 @@ def main() -> None:
         for name, k in (("plain K=0", 0), ("eagle3 K=3", 3)):
             results = {}
             for compiled in (False, True):
-                runner = ModelRunner(
-                    target, 1, max_len, draft if k else None, max(k, 1), compile=compiled
-                )
+                runner = ModelRunner(target, 1, max_len, draft if k else None, max(k, 1), compile=compiled)
                 torch._dynamo.reset()
                 first, rest = time_steps(runner, prompt, args.steps)
                 results[compiled] = (first, statistics.median(rest))

@@ -29,11 +29,12 @@ from pathlib import Path
 import torch
 import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.generation.streamers import BaseStreamer
 
 from redline import LLM, SamplingParams
-from redline.models.random_init import stdlib_texts
+from redline.benchmark.hf import run_hf
+from redline.benchmark.machine import busy_cores, cpu_model
 from redline.train.bpe import train_bpe_tokenizer
+from redline.train.data import stdlib_texts
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -65,33 +66,6 @@ def build_checkpoint(out_dir: Path, args: argparse.Namespace) -> tuple[int, int]
     return params, weight_bytes - embed.numel() * embed.element_size() + embed[0].nbytes
 
 
-class TokenTimes(BaseStreamer):
-    """Timestamps each `put`: the first is the prompt, then one per generated token."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def put(self, value: torch.Tensor) -> None:
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
-
-
-def run_hf(model: LlamaForCausalLM, prompt: list[int], n: int) -> tuple[list[int], float, float]:
-    """One greedy generate; returns (tokens, ttft_s, decode tok/s)."""
-    streamer = TokenTimes()
-    input_ids = torch.tensor([prompt])
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, streamer=streamer, pad_token_id=0
-        )
-    tokens = out[0, len(prompt) :].tolist()
-    first, last = streamer.times[1], streamer.times[-1]
-    return tokens, first - start, (n - 1) / (last - first)
-
-
 def run_redline(llm: LLM, prompt: list[int], n: int) -> tuple[list[int], float, float]:
     c = llm.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True))[0]
     return c.token_ids, c.ttft_s, c.tokens_per_s
@@ -109,26 +83,6 @@ def bench(
         ttfts.append(ttft)
         rates.append(rate)
     return tokens, ttfts, rates
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
-
-
-def busy_cores(seconds: float = 0.5) -> float:
-    """Cores kept busy by other processes while this one sleeps, from /proc/stat."""
-
-    def sample() -> tuple[int, int]:
-        user, nice, system, idle, iowait, *rest = map(int, Path("/proc/stat").read_text().split()[1:9])
-        return user + nice + system + sum(rest), idle + iowait
-
-    busy0, idle0 = sample()
-    time.sleep(seconds)
-    busy1, idle1 = sample()
-    return (os.cpu_count() or 1) * (busy1 - busy0) / max(1, busy1 - busy0 + idle1 - idle0)
 
 
 def main() -> None:

@@ -1,9 +1,11 @@
-"""Command line: `redline generate | info | init-random`."""
+"""Command line: `redline generate | info | init-random | train-target | train-draft | demo | bench`."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+import typing
 from pathlib import Path
 
 from redline.config import ModelConfig
@@ -89,6 +91,81 @@ def cmd_init_random(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_recipe_args(p: argparse.ArgumentParser, recipe: type) -> None:
+    """One flag per recipe field, defaulting to the recipe's value: DraftRecipe.ttt_steps -> --ttt-steps."""
+    hints = typing.get_type_hints(recipe)
+    for field in dataclasses.fields(recipe):
+        kind = hints[field.name]
+        convert = int if kind in (int, int | None) else float if kind is float else str
+        flag = "--" + field.name.replace("_", "-")
+        p.add_argument(
+            flag, dest=field.name, type=convert, default=field.default, help=f"default {field.default}"
+        )
+
+
+def _recipe(recipe: type, args: argparse.Namespace):
+    return recipe(**{f.name: getattr(args, f.name) for f in dataclasses.fields(recipe)})
+
+
+def cmd_train_target(args: argparse.Namespace) -> int:
+    from redline.train.target import TargetRecipe, train_target
+
+    summary = train_target(args.out, _recipe(TargetRecipe, args), resume=args.resume)
+    print(
+        f"wrote {args.out}: {summary['parameters'] / 1e6:.1f}M parameters, held-out loss "
+        f"{summary['held_out_loss']:.3f} (perplexity {summary['held_out_perplexity']:.1f})"
+    )
+    return 0
+
+
+def cmd_train_draft(args: argparse.Namespace) -> int:
+    from redline.train.draft import DraftRecipe, train_draft
+
+    summary = train_draft(args.target, args.out, _recipe(DraftRecipe, args), args.data, resume=args.resume)
+    accuracy = ", ".join(f"{summary[k]:.2f}" for k in summary if k.startswith("acc"))
+    print(
+        f"wrote {args.out}: final TTT loss {summary['final_loss']:.3f}, top-1 agreement per step: {accuracy}"
+    )
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from redline.demo import run_demo
+
+    run_demo(args.prompts, args.max_tokens, args.num_draft_tokens, args.compile)
+    return 0
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from redline.benchmark import machine, report
+    from redline.benchmark.run import BenchSettings, run_bench
+
+    if any(not 1 <= k <= 8 for k in args.num_draft_tokens):
+        raise ValueError(f"--num-draft-tokens values must be in 1..8, got {args.num_draft_tokens}")
+    settings = BenchSettings(
+        args.max_tokens, args.prompts, args.prompt_len, args.repeats, args.dtype, args.compile, not args.no_hf
+    )
+    result = {
+        "machine": machine.describe(),
+        **run_bench(args.model, args.draft, args.num_draft_tokens, settings),
+    }
+    print(report.table(result))
+    if args.json:
+        report.write_json(result, args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        report.plot(result, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="redline", description="Low-latency LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -119,6 +196,45 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--vocab-size", type=int, default=512)
     r.add_argument("--seed", type=int, default=0)
     r.set_defaults(func=cmd_init_random)
+
+    from redline.train.draft import DraftRecipe
+    from redline.train.target import TargetRecipe
+
+    t = sub.add_parser("train-target", help="train the demo target on the standard library's source")
+    t.add_argument("--out", required=True, type=Path)
+    t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    _add_recipe_args(t, TargetRecipe)
+    t.set_defaults(func=cmd_train_target)
+
+    d = sub.add_parser("train-draft", help="train an EAGLE-3 draft for a target (training-time test)")
+    d.add_argument("--target", required=True, type=Path, help="target checkpoint directory")
+    d.add_argument("--out", required=True, type=Path)
+    d.add_argument("--data", type=Path, default=None, help="JSONL, text file or directory (default: stdlib)")
+    d.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    _add_recipe_args(d, DraftRecipe)
+    d.set_defaults(func=cmd_train_draft)
+
+    m = sub.add_parser("demo", help="train (first run) and run the demo pair with and without speculation")
+    m.add_argument("--prompts", type=int, default=3, help="held-out prompts to complete")
+    m.add_argument("--max-tokens", type=int, default=96)
+    m.add_argument("--num-draft-tokens", type=int, default=3)
+    m.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow first run)")
+    m.set_defaults(func=cmd_demo)
+
+    b = sub.add_parser("bench", help="HF generate vs redline vs redline + EAGLE-3, batch 1, one process")
+    b.add_argument("--model", required=True, type=Path)
+    b.add_argument("--draft", type=Path, default=None)
+    b.add_argument("--num-draft-tokens", type=_int_list, default=[1, 2, 3, 4, 5], help="e.g. 1,2,3")
+    b.add_argument("--max-tokens", type=int, default=128)
+    b.add_argument("--prompts", type=int, default=4)
+    b.add_argument("--prompt-len", type=int, default=64)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--dtype", default="float32")
+    b.add_argument("--compile", action="store_true", help="torch.compile the decode steps")
+    b.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    b.add_argument("--json", type=Path, default=None)
+    b.add_argument("--plot", type=Path, default=None, help="PNG path")
+    b.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from redline.models.random_init import stdlib_texts
 from redline.train.bpe import train_bpe_tokenizer
+from redline.train.data import stdlib_texts
+from redline.train.draft import DraftRecipe, train_draft
+from redline.train.target import TargetRecipe, train_target
 
 VOCAB = 384
 
@@ -123,3 +125,21 @@ def greedy_divergence_is_a_near_tie(model, prompt: list[int], a: list[int], b: l
                 top2 = model.logits(hidden)[0, -1].topk(2).values
             return (top2[0] - top2[1]).item() < atol
     return len(a) == len(b)
+
+
+TINY_TARGET = TargetRecipe(
+    vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+    seq_len=64, batch_size=8, steps=150, warmup=10,
+)  # fmt: skip
+TINY_DRAFT = DraftRecipe(
+    draft_vocab=256, ttt_steps=3, num_prompts=48, prompt_len=24, gen_len=40, steps=100, warmup=10, lr=3e-3
+)
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory) -> Path:
+    """A tiny target trained on the standard library, and its draft trained by TTT."""
+    root = tmp_path_factory.mktemp("trained")
+    train_target(root / "target", TINY_TARGET)
+    train_draft(root / "target", root / "draft", TINY_DRAFT)
+    return root

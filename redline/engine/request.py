@@ -21,6 +21,7 @@ class Completion:
     tokens_per_s: float  # per user, decode phase: (tokens - 1) / (latency - ttft)
     acceptance_length: float | None = None  # speculation: mean tokens emitted per decode step
     acceptance_rates: list[float] | None = None  # per draft position: fraction of steps accepting it
+    decode_steps: int = 0  # steps after prefill that produced this completion's tokens
 
     @property
     def completion_tokens(self) -> int:
@@ -118,6 +119,7 @@ class Request:
             ttft_s=ttft,
             latency_s=latency,
             tokens_per_s=(n - 1) / decode_time if n > 1 and decode_time > 0 else float("nan"),
+            decode_steps=self.steps,
             **self.acceptance(),
         )
 

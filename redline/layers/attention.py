@@ -81,6 +81,18 @@ class Attention(nn.Module):
         batch: AttentionBatch,
         cache: tuple[torch.Tensor, torch.Tensor] | None,  # k, v: [slots, kv_heads, max_len, head_dim]
     ) -> torch.Tensor:
+        q, k, v = self.project(x, batch)
+        if cache is None:  # no cache: the T tokens attend to each other
+            keys, values = k.transpose(1, 2), v.transpose(1, 2)
+        else:
+            keys, values = self._write_and_read(cache, k, v, batch)
+        mask = batch.chunked_mask if self.chunked else batch.full_mask
+        return self.attend(q, keys, values, mask)
+
+    def project(
+        self, x: torch.Tensor, batch: AttentionBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, T, heads, head_dim] and k, v [B, T, kv_heads, head_dim], positions encoded."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
@@ -92,11 +104,16 @@ class Attention(nn.Module):
             q, k = rms_normalize(q, self.qk_norm_eps), rms_normalize(k, self.qk_norm_eps)
         if self.temperature_tuning:
             q = (q * batch.temperature).to(q.dtype)
-        if cache is None:  # no cache: the T tokens attend to each other
-            keys, values = k.transpose(1, 2), v.transpose(1, 2)
-        else:
-            keys, values = self._write_and_read(cache, k, v, batch)
-        mask = batch.chunked_mask if self.chunked else batch.full_mask
+        return q, k, v
+
+    def attend(
+        self,
+        q: torch.Tensor,  # [B, T, heads, head_dim]
+        keys: torch.Tensor,  # [B, kv_heads, S, head_dim]
+        values: torch.Tensor,  # [B, kv_heads, S, head_dim]
+        mask: torch.Tensor,  # [B or 1, 1, T, S] bool, True = attend
+    ) -> torch.Tensor:  # [B, T, hidden]
+        b, t = q.shape[:2]
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 

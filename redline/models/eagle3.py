@@ -88,10 +88,18 @@ class Eagle3Layer(nn.Module):
         batch: AttentionBatch,
         cache: KVLayer | None,
     ) -> torch.Tensor:
+        x, residual = self.attention_input(embeds, hidden)
+        return self.finish(residual, self.self_attn(x, batch, cache))
+
+    def attention_input(
+        self, embeds: torch.Tensor, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # ([B, T, 2H] attention input, [B, T, H] residual)
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
-        x = torch.cat((self.input_layernorm(embeds), normed), dim=-1)
-        x = residual + self.self_attn(x, batch, cache)
+        return torch.cat((self.input_layernorm(embeds), normed), dim=-1), residual
+
+    def finish(self, residual: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:  # [B, T, H] each
+        x = residual + attended
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

@@ -6,7 +6,6 @@ Used by the tests and by `redline init-random` so every command can run without 
 from __future__ import annotations
 
 import json
-import sysconfig
 from pathlib import Path
 
 import torch
@@ -15,13 +14,7 @@ from redline.config import ModelConfig
 from redline.models.llama import LlamaForCausalLM
 from redline.models.loader import save_weights
 from redline.train.bpe import train_bpe_tokenizer
-
-
-def stdlib_texts(max_files: int = 40, max_chars: int = 20_000) -> list[str]:
-    """Source of the Python standard library on this machine: text every machine has."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.glob("*.py"))[:max_files]
-    return [p.read_text(encoding="utf-8", errors="replace")[:max_chars] for p in files]
+from redline.train.data import stdlib_texts
 
 
 def llama3_config(vocab_size: int, **overrides) -> dict:
@@ -46,18 +39,23 @@ def llama3_config(vocab_size: int, **overrides) -> dict:
     return config
 
 
+def normal_init(module: torch.nn.Module, std: float = 0.02) -> None:
+    """N(0, std) weights from the global generator, norms set to 1."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std)
+
+
 def write_random_checkpoint(out_dir: str | Path, config: dict, seed: int = 0) -> None:
     """config.json + model.safetensors with N(0, 0.02) weights and unit norms."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(ModelConfig.from_dict(config))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02)
+    normal_init(model)
     state = model.state_dict()
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight")

@@ -1,0 +1,146 @@
+"""`redline bench`: HF generate, redline plain decode and redline + EAGLE-3 for each K, in one process, on
+the same weights, prompts, dtype and thread count; batch 1, greedy, fixed-length completions.
+
+Per configuration, every prompt is completed `repeats` times after one warm-up completion (which also
+holds the compile, reported as warmup_s). tokens/s per user is the decode rate of one completion,
+(N - 1) / (t_last - t_first); median, min and max are over all prompts x repeats.
+
+draft_share: the fraction of an eager decode step (K + 1 verified tokens) not spent in the target's
+forward over those tokens, i.e. the draft's proposals plus verification, measured on the same runner.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from redline.benchmark import hf
+from redline.engine.llm import LLM, parse_dtype
+from redline.engine.request import Completion
+from redline.sampling import SamplingParams
+from redline.train.draft import held_out_prompts, run_acceptance_length
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    max_tokens: int = 128
+    num_prompts: int = 4
+    prompt_len: int = 64
+    repeats: int = 3
+    dtype: str = "float32"
+    compile: bool = False
+    hf: bool = True
+
+
+def _summary(engine: str, k: int | None, rates: list[float], ttfts: list[float], warmup_s: float) -> dict:
+    return {
+        "engine": engine,
+        "num_draft_tokens": k,
+        "tps_user_median": statistics.median(rates),
+        "tps_user_min": min(rates),
+        "tps_user_max": max(rates),
+        "ttft_s_median": statistics.median(ttfts),
+        "warmup_s": warmup_s,
+        "acceptance_length": None,
+        "acceptance_rates": None,
+        "draft_share": None,
+    }
+
+
+def bench_hf(model_dir: Path, prompts: list[list[int]], s: BenchSettings) -> tuple[dict, list[list[int]]]:
+    model = hf.load_hf(model_dir, parse_dtype(s.dtype))
+    start = time.perf_counter()
+    hf.run_hf(model, prompts[0], s.max_tokens)
+    warmup = time.perf_counter() - start
+    rates, ttfts, outputs = [], [], []
+    for _ in range(s.repeats):
+        outputs = []
+        for prompt in prompts:
+            tokens, ttft, rate = hf.run_hf(model, prompt, s.max_tokens)
+            rates.append(rate)
+            ttfts.append(ttft)
+            outputs.append(tokens)
+    return _summary("hf", None, rates, ttfts, warmup), outputs
+
+
+def bench_redline(
+    model_dir: Path, draft: Path | None, k: int, prompts: list[list[int]], s: BenchSettings
+) -> tuple[dict, list[list[int]]]:
+    llm = LLM(
+        model_dir, dtype=s.dtype, max_batch=1, max_seq_len=max(map(len, prompts)) + s.max_tokens + 16,
+        draft=draft, num_draft_tokens=k if draft else 3, compile=s.compile,
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=s.max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate([prompts[0]], params)
+    warmup = time.perf_counter() - start
+    completions: list[Completion] = []
+    for _ in range(s.repeats):
+        for prompt in prompts:  # one at a time: batch 1, per-user latency
+            completions.append(llm.generate([prompt], params)[0])
+    result = _summary(
+        "redline+eagle3" if draft else "redline", k if draft else None,
+        [c.tokens_per_s for c in completions], [c.ttft_s for c in completions], warmup,
+    )  # fmt: skip
+    if draft:
+        steps = sum(c.decode_steps for c in completions)
+        result["acceptance_length"] = run_acceptance_length(completions)
+        result["acceptance_rates"] = [
+            sum(c.decode_steps * (c.acceptance_rates or [0.0] * k)[i] for c in completions) / steps
+            for i in range(k)
+        ]
+        result["draft_share"] = draft_share(llm, prompts[0])
+    return result, [c.token_ids for c in completions[-len(prompts) :]]
+
+
+@torch.inference_mode()
+def draft_share(llm: LLM, prompt: list[int], steps: int = 10) -> float:
+    """1 - (target forward over K + 1 tokens) / (whole eager step), both at the same KV bucket."""
+    runner = llm.runner
+    runner.prefill(0, prompt, SamplingParams(), seed=0)
+    kv_len = runner.kv_len_for(len(prompt) + 1)
+    positions = runner.state.pos[:1, None] + torch.arange(runner.k + 1)
+
+    def timed(fn) -> float:
+        fn()
+        start = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        return (time.perf_counter() - start) / steps
+
+    def target_only() -> None:
+        hidden, _ = runner.model(runner.state.pending[:1], positions, runner.cache.layers, 0, kv_len)
+        runner.model.logits(hidden)
+
+    # the step advances the slot, so give it its own copy of the state each time
+    pending, pos = runner.state.pending.clone(), runner.state.pos.clone()
+
+    def whole_step() -> None:
+        runner.state.pending.copy_(pending)
+        runner.state.pos.copy_(pos)
+        runner.step(1, kv_len, False)
+
+    share = 1.0 - timed(target_only) / timed(whole_step)
+    runner.release(0)
+    return share
+
+
+def run_bench(model_dir: Path, draft: Path | None, ks: list[int], s: BenchSettings) -> dict:
+    prompts = held_out_prompts(model_dir, s.num_prompts, s.prompt_len)
+    runs, outputs = [], {}
+    if s.hf:
+        result, outputs["hf"] = bench_hf(model_dir, prompts, s)
+        runs.append(result)
+    result, outputs["redline"] = bench_redline(model_dir, None, 0, prompts, s)
+    runs.append(result)
+    for k in ks if draft else []:
+        result, outputs[f"k{k}"] = bench_redline(model_dir, draft, k, prompts, s)
+        runs.append(result)
+    reference = outputs["redline"]
+    for run, key in zip(runs, outputs, strict=True):
+        run["tokens_equal_plain"] = outputs[key] == reference  # greedy: every engine should agree
+    return {"runs": runs, "settings": {**s.__dict__, "model": str(model_dir), "draft": str(draft or "")}}
