@@ -53,16 +53,13 @@ def plot(result: dict, path: Path) -> None:
     bars = ax.bar(names, medians, yerr=errors, capsize=4, color=[colors[r["engine"]] for r in runs])
     for bar, r in zip(bars, runs, strict=True):
         if r["acceptance_length"]:
-            top = (bar.get_x() + bar.get_width() / 2, bar.get_height())
-            text = f"acc {r['acceptance_length']:.2f}"
-            ax.annotate(
-                text, top, ha="center", va="bottom", fontsize=8, xytext=(0, 6), textcoords="offset points"
-            )
+            middle = (bar.get_x() + bar.get_width() / 2, bar.get_height() / 2)
+            text = f"acceptance\n{r['acceptance_length']:.2f}"
+            ax.annotate(text, middle, ha="center", va="center", fontsize=8, color="white")
     m = result.get("machine", {})
     ax.set_ylabel("tokens/s per user (batch 1, greedy)")
-    ax.set_title(
-        f"{Path(result['settings']['model']).name}: {m.get('cpu', '')}, {m.get('threads', '?')} threads"
-    )
+    model = "/".join(Path(result["settings"]["model"]).parts[-2:])
+    ax.set_title(f"{model}: {m.get('cpu', '')}, {m.get('threads', '?')} threads")
     ax.tick_params(axis="x", labelrotation=20)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
