@@ -147,6 +147,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from redline.benchmark import machine, report
     from redline.benchmark.run import BenchSettings, run_bench
 
+    if args.url:
+        return _bench_server(args)
+    if args.model is None:
+        raise ValueError("redline bench needs --model DIR (engine benchmark) or --url URL (server load test)")
     if any(not 1 <= k <= 8 for k in args.num_draft_tokens):
         raise ValueError(f"--num-draft-tokens values must be in 1..8, got {args.num_draft_tokens}")
     settings = BenchSettings(
@@ -163,6 +167,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.plot:
         report.plot(result, args.plot)
         print(f"wrote {args.plot}")
+    return 0
+
+
+def _bench_server(args: argparse.Namespace) -> int:
+    from redline.benchmark import machine, report
+    from redline.benchmark.load import load_table, run_load
+
+    result = {"machine": machine.describe(), **run_load(args.url, args.concurrency, args.requests_per_client,
+                                                        args.max_tokens, args.api_key)}  # fmt: skip
+    print(load_table(result))
+    if args.json:
+        report.write_json(result, args.json)
+        print(f"wrote {args.json}")
     return 0
 
 
@@ -221,8 +238,14 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow first run)")
     m.set_defaults(func=cmd_demo)
 
-    b = sub.add_parser("bench", help="HF generate vs redline vs redline + EAGLE-3, batch 1, one process")
-    b.add_argument("--model", required=True, type=Path)
+    b = sub.add_parser("bench", help="HF vs redline vs redline + EAGLE-3 (--model), or load a server (--url)")
+    b.add_argument("--model", type=Path, default=None)
+    b.add_argument("--url", default=None, help="server load test: base URL of an OpenAI-compatible server")
+    b.add_argument(
+        "--concurrency", type=_int_list, default=[1, 2, 4, 8, 16], help="with --url: client counts"
+    )
+    b.add_argument("--requests-per-client", type=int, default=2, help="with --url")
+    b.add_argument("--api-key", default=None, help="with --url")
     b.add_argument("--draft", type=Path, default=None)
     b.add_argument("--num-draft-tokens", type=_int_list, default=[1, 2, 3, 4, 5], help="e.g. 1,2,3")
     b.add_argument("--max-tokens", type=int, default=128)
@@ -235,6 +258,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", type=Path, default=None)
     b.add_argument("--plot", type=Path, default=None, help="PNG path")
     b.set_defaults(func=cmd_bench)
+
+    from redline.server.serve import add_parser as add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 

@@ -112,7 +112,7 @@ class LLM:
         per_prompt = params if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts")
-        requests = [self._request(p, sp) for p, sp in zip(prompts, per_prompt, strict=True)]
+        requests = [self.make_request(p, sp) for p, sp in zip(prompts, per_prompt, strict=True)]
         for request in requests:
             self.scheduler.add(request)
         while self.scheduler.has_work:
@@ -121,7 +121,7 @@ class LLM:
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Stream:
         """Iterate for the completion's text piece by piece; `.completion` holds the result afterwards."""
-        request = self._request(prompt, params or SamplingParams())
+        request = self.make_request(prompt, params or SamplingParams())
         self.scheduler.add(request)
         return Stream(self.scheduler, request)
 
@@ -134,7 +134,8 @@ class LLM:
             return [prompts]  # one prompt
         return list(prompts)
 
-    def _request(self, prompt: Prompt, params: SamplingParams) -> Request:
+    def make_request(self, prompt: Prompt, params: SamplingParams) -> Request:
+        """A validated engine request (not yet scheduled): clear ValueErrors for bad prompts or lengths."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("the prompt is empty")

@@ -1,0 +1,26 @@
+"""OpenAI-style errors: every failure is a JSON body {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {
+            "error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}
+        }
+
+
+def invalid(param: str, message: str) -> APIError:
+    return APIError(400, f"{param}: {message}", param)

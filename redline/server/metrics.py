@@ -1,0 +1,44 @@
+"""Prometheus metrics of one server (its own registry, so several servers can live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from redline.engine.request import Completion
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+RATE_BUCKETS = (5, 10, 25, 50, 100, 200, 400, 800, 1600)
+ACCEPTANCE_BUCKETS = (1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 9)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        histogram = lambda name, doc, buckets: Histogram(name, doc, buckets=buckets, registry=r)
+        self.ttft = histogram(
+            "redline_time_to_first_token_seconds", "Arrival to first token", LATENCY_BUCKETS
+        )
+        self.itl = histogram(
+            "redline_inter_token_latency_seconds", "Mean gap between tokens", LATENCY_BUCKETS
+        )
+        self.tps = histogram(
+            "redline_tokens_per_second_per_user", "Decode tokens/s of a request", RATE_BUCKETS
+        )
+        self.acceptance = histogram("redline_acceptance_length", "Tokens per step", ACCEPTANCE_BUCKETS)
+        self.queue_depth = Gauge("redline_queue_depth", "Requests waiting for a slot", registry=r)
+        self.slots_in_use = Gauge("redline_slots_in_use", "Slots holding a request", registry=r)
+        self.requests = Counter("redline_requests", "Finished requests by outcome", ["outcome"], registry=r)
+        self.prompt_tokens = Counter("redline_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generated_tokens = Counter("redline_generated_tokens", "Tokens generated", registry=r)
+
+    def observe(self, c: Completion) -> None:
+        self.requests.labels(c.finish_reason).inc()
+        self.prompt_tokens.inc(c.prompt_tokens)
+        self.generated_tokens.inc(c.completion_tokens)
+        if c.completion_tokens:
+            self.ttft.observe(c.ttft_s)
+        if c.completion_tokens > 1:
+            self.itl.observe((c.latency_s - c.ttft_s) / (c.completion_tokens - 1))
+            self.tps.observe(c.tokens_per_s)
+        if c.acceptance_length is not None:
+            self.acceptance.observe(c.acceptance_length)

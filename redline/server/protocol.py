@@ -1,0 +1,200 @@
+"""Parsing and validating /v1/completions and /v1/chat/completions bodies into engine inputs.
+
+Every check names the offending field. Unknown fields are ignored (clients send many); fields whose
+non-default values redline cannot honour (n > 1, logprobs, penalties, echo, tools) are rejected.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from redline.sampling import SamplingParams
+from redline.server.errors import APIError, invalid
+
+MAX_STOP_STRINGS = 4
+CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
+
+
+@dataclass
+class Parsed:
+    prompt: str | list[int] | None  # completions
+    messages: list[dict[str, str]] | None  # chat
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    max_tokens_given: bool
+
+
+def parse_json(body: bytes) -> dict:
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"request body is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise APIError(400, "request body must be a JSON object")
+    return data
+
+
+def _number(data: dict, key: str, default: float, low: float, high: float, low_open: bool = False) -> float:
+    value = data.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise invalid(key, f"must be a number, got {type(value).__name__}")
+    if value != value or value < low or value > high or (low_open and value == low):
+        bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
+        raise invalid(key, f"must be in {bound}, got {value}")
+    return float(value)
+
+
+def _integer(data: dict, key: str, low: int, high: int | None = None) -> int | None:
+    value = data.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid(key, f"must be an integer, got {type(value).__name__}")
+    if value < low or (high is not None and value > high):
+        raise invalid(key, f"must be in [{low}, {high if high is not None else 'inf'}], got {value}")
+    return value
+
+
+def _boolean(data: dict, key: str, default: bool = False) -> bool:
+    value = data.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise invalid(key, f"must be true or false, got {type(value).__name__}")
+    return value
+
+
+def _stop(data: dict) -> list[str]:
+    stop = data.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise invalid("stop", "must be a string or a list of strings")
+    if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+        raise invalid("stop", f"at most {MAX_STOP_STRINGS} non-empty strings")
+    return stops
+
+
+def _unsupported(data: dict) -> None:
+    n = _integer(data, "n", 1)
+    if n not in (None, 1):
+        raise invalid("n", f"only n=1 is supported, got {n}")
+    best_of = _integer(data, "best_of", 1)
+    if best_of not in (None, 1):
+        raise invalid("best_of", f"only best_of=1 is supported, got {best_of}")
+    for key in ("presence_penalty", "frequency_penalty"):
+        if _number(data, key, 0.0, -2.0, 2.0) != 0.0:
+            raise invalid(key, "is not supported (use 0)")
+    for key in ("logprobs", "top_logprobs", "echo", "tools", "functions", "logit_bias", "suffix"):
+        if data.get(key) not in (None, False, 0, [], {}, ""):
+            raise invalid(key, "is not supported")
+
+
+def _sampling(data: dict, max_tokens: int, stops: list[str]) -> SamplingParams:
+    seed = data.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise invalid("seed", f"must be an integer, got {type(seed).__name__}")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_number(data, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(data, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        top_k=_integer(data, "top_k", 0) or 0,
+        seed=seed,
+        stop=stops,
+        ignore_eos=_boolean(data, "ignore_eos"),
+    )
+
+
+def _stream_options(data: dict, stream: bool) -> bool:
+    options = data.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise invalid("stream_options", "must be an object")
+    if not stream:
+        raise invalid("stream_options", "is only allowed with stream: true")
+    return _boolean(options, "include_usage")
+
+
+def _max_tokens(data: dict, keys: tuple[str, ...], context: int) -> int | None:
+    for key in keys:
+        value = _integer(data, key, 1, context)
+        if value is not None:
+            return value
+    return None
+
+
+def _prompt(data: dict, vocab_size: int) -> str | list[int]:
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise invalid("prompt", "must not be empty")
+        return prompt
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        if any(not 0 <= t < vocab_size for t in prompt):
+            raise invalid("prompt", f"token ids must be in [0, {vocab_size})")
+        return prompt
+    if prompt is None:
+        raise invalid("prompt", "is required")
+    raise invalid(
+        "prompt",
+        "must be a non-empty string or list of token ids (batches of more than one: use n=1 requests)",
+    )
+
+
+def _messages(data: dict) -> list[dict[str, str]]:
+    messages = data.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", "must be a non-empty list")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise invalid(f"messages[{i}]", "must be an object")
+        role, content = m.get("role"), m.get("content")
+        if role not in CHAT_ROLES:
+            raise invalid(f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                for p in content
+            ):
+                raise invalid(f"messages[{i}].content", "only text parts are supported")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise invalid(f"messages[{i}].content", "must be a string or a list of text parts")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def parse_request(data: dict, chat: bool, served_model: str, context: int, vocab_size: int) -> Parsed:
+    model = data.get("model")
+    if not isinstance(model, str):
+        raise invalid("model", "is required and must be a string")
+    if model != served_model:
+        raise APIError(404, f"model {model!r} does not exist; this server serves {served_model!r}", "model",
+                       "not_found_error")  # fmt: skip
+    _unsupported(data)
+    stream = _boolean(data, "stream")
+    keys = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
+    max_tokens = _max_tokens(data, keys, context)
+    default = context if chat else 16  # OpenAI: chat runs to the context limit, completions default to 16
+    params = _sampling(data, max_tokens or default, _stop(data))
+    return Parsed(
+        prompt=None if chat else _prompt(data, vocab_size),
+        messages=_messages(data) if chat else None,
+        params=params,
+        stream=stream,
+        include_usage=_stream_options(data, stream),
+        max_tokens_given=max_tokens is not None,
+    )

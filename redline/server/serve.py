@@ -1,0 +1,103 @@
+"""`redline serve`: load the model (and draft), pick the mode's batch and speculation, run uvicorn.
+
+min-latency: at most MIN_LATENCY_SLOTS slots, speculation whenever a draft is given.
+max-throughput: --max-batch slots (default 16); speculation with a draft unless --no-speculation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+
+MIN_LATENCY_SLOTS = 4
+MAX_THROUGHPUT_SLOTS = 16
+
+
+def mode_settings(
+    mode: str, max_batch: int | None, has_draft: bool, no_speculation: bool
+) -> tuple[int, bool]:
+    """(slots, speculate) for a mode. min-latency, --max-batch 16 -> (4, True) with a draft."""
+    if mode == "min-latency":
+        return min(max_batch or MIN_LATENCY_SLOTS, MIN_LATENCY_SLOTS), has_draft and not no_speculation
+    return max_batch or MAX_THROUGHPUT_SLOTS, has_draft and not no_speculation
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from redline.server.app import Server, create_app
+    except ImportError as e:
+        raise ValueError(f"redline serve needs fastapi, uvicorn and prometheus-client ({e}); "
+                         "pip install 'redline[serve]'") from e  # fmt: skip
+    from redline import LLM, SamplingParams
+
+    log = logging.getLogger("redline.server")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    slots, speculate = mode_settings(args.mode, args.max_batch, args.draft is not None, args.no_speculation)
+    if args.mode == "min-latency" and args.draft is None:
+        log.warning("min-latency mode without --draft: serving without speculation")
+    llm = LLM(
+        args.model, dtype=args.dtype, device=args.device, max_batch=slots, max_seq_len=args.max_seq_len,
+        draft=args.draft if speculate else None, num_draft_tokens=args.num_draft_tokens, compile=args.compile,
+    )  # fmt: skip
+    llm.generate(
+        [llm.tokenizer.encode("def")], SamplingParams(max_tokens=2)
+    )  # warm-up (compiles with --compile)
+    name = args.served_model_name or args.model.name
+    api_key = args.api_key or os.environ.get("REDLINE_API_KEY")
+    server = Server(llm, name, api_key, max_queue=args.max_queue)
+    log.info(
+        "serving %s as %r on http://%s:%d (%s: %d slots, speculation %s, context %d tokens)",
+        args.model, name, args.host, args.port, args.mode, slots,
+        f"K={llm.num_draft_tokens}" if speculate else "off", llm.max_seq_len,
+    )  # fmt: skip
+    app = create_app(server, start_engine=False)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5
+    )
+    http = uvicorn.Server(
+        config
+    )  # on a second thread it leaves signals alone: Ctrl-C reaches the main thread
+    thread = threading.Thread(target=http.run, name="redline-http", daemon=True)
+    thread.start()
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` shuts down like Ctrl-C
+    try:
+        server.engine.run()  # the model stays on the main thread
+    except KeyboardInterrupt:
+        log.info("shutting down")
+    finally:
+        http.should_exit = True
+        thread.join(timeout=10)
+    return 0
+
+
+def add_parser(sub) -> None:
+    from pathlib import Path
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s.add_argument("--model", required=True, type=Path)
+    s.add_argument("--draft", type=Path, default=None, help="EAGLE-3 draft directory")
+    s.add_argument("--num-draft-tokens", type=int, default=3)
+    s.add_argument("--mode", choices=("min-latency", "max-throughput"), default="min-latency")
+    s.add_argument("--max-batch", type=int, default=None, help="slots (max-throughput default 16)")
+    s.add_argument("--no-speculation", action="store_true", help="ignore --draft (max-throughput A/B)")
+    s.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
+    s.add_argument(
+        "--max-seq-len", type=int, default=None, help="context window (default: the model's, <= 4096)"
+    )
+    s.add_argument("--dtype", default="float32")
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--compile", action="store_true")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (or REDLINE_API_KEY)")
+    s.add_argument("--served-model-name", default=None, help="model id clients send (default: the dir name)")
+    s.set_defaults(func=serve)
