@@ -13,7 +13,7 @@ from redline.config import ModelConfig
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, type=Path, help="Hugging Face checkpoint directory")
-    p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32")
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32 | fp8 (FP8 weights)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
 
 
@@ -183,6 +183,15 @@ def _bench_server(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from redline.quant.checkpoint import quantize_checkpoint
+
+    counts = quantize_checkpoint(args.model, args.out)
+    fp8, total = counts["fp8_parameters"], counts["parameters"]
+    print(f"wrote {args.out}: {fp8:,} of {total:,} parameters in FP8 ({fp8 / total:.0%})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="redline", description="Low-latency LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -258,6 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", type=Path, default=None)
     b.add_argument("--plot", type=Path, default=None, help="PNG path")
     b.set_defaults(func=cmd_bench)
+
+    q = sub.add_parser("quantize", help="FP8 weights (per-channel scales), compressed-tensors layout")
+    q.add_argument("--model", required=True, type=Path)
+    q.add_argument("--out", required=True, type=Path)
+    q.set_defaults(func=cmd_quantize)
 
     from redline.server.serve import add_parser as add_serve_parser
 

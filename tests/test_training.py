@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import TINY_DRAFT
+from conftest import TINY_DRAFT, TINY_TARGET
 
 from redline import LLM, SamplingParams
 from redline.config import ModelConfig
@@ -26,6 +26,7 @@ from redline.train.draft import (
     new_draft,
     train_draft,
 )
+from redline.train.target import train_target
 from redline.train.ttt import ttt_mask, ttt_unroll
 
 
@@ -144,3 +145,17 @@ def test_load_texts_formats_and_errors(tmp_path):
         data.load_texts(jsonl)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         data.load_texts(tmp_path / "missing")
+
+
+def test_train_target_is_deterministic_for_a_seed(tmp_path):
+    recipe = replace(TINY_TARGET, steps=4)
+    for name in ("a", "b"):
+        train_target(tmp_path / name, recipe)
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (
+        tmp_path / "b" / "model.safetensors"
+    ).read_bytes()
+    other = replace(recipe, seed=1)
+    train_target(tmp_path / "c", other)
+    assert (tmp_path / "c" / "model.safetensors").read_bytes() != (
+        tmp_path / "a" / "model.safetensors"
+    ).read_bytes()

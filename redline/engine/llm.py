@@ -33,7 +33,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
     if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
+        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}, fp8")
     return DTYPES[name]
 
 
@@ -76,8 +76,12 @@ class LLM:
         draft: str | Path | None = None,
         num_draft_tokens: int = 3,
         compile: bool = False,
+        quantization: str | None = None,
     ):
+        """dtype "fp8" means bfloat16 activations with FP8 weights (quantization="fp8")."""
         model_dir = Path(model)
+        if dtype == "fp8":
+            dtype, quantization = "bfloat16", "fp8"
         torch_dtype = parse_dtype(dtype)
         if not model_dir.is_dir():
             raise FileNotFoundError(f"model directory {model_dir} does not exist")
@@ -88,7 +92,7 @@ class LLM:
         self.tokenizer = Tokenizer.from_dir(
             model_dir, extra_eos_ids=[*self.config.eos_token_ids, *_generation_eos(model_dir)]
         )
-        self.model = load_target(model_dir, torch_dtype, device)
+        self.model = load_target(model_dir, torch_dtype, device, quantization)
         self.draft = None
         if draft is not None:
             if not 1 <= num_draft_tokens <= 8:

@@ -83,9 +83,10 @@ def _install(model: torch.nn.Module, module_key: str, tensor: torch.Tensor) -> N
         module._buffers[attr] = tensor  # keeps the buffer's persistent flag
 
 
-def _target_dtype(on_disk: torch.dtype, dtype: torch.dtype) -> torch.dtype:
-    """Floating tensors are cast to `dtype`; integer, bool and 8-bit float (FP8) tensors keep their dtype."""
-    if on_disk.is_floating_point and on_disk.itemsize > 1:
+def _target_dtype(on_disk: torch.dtype, dtype: torch.dtype, key: str) -> torch.dtype:
+    """Floating tensors are cast to `dtype`; integer, bool and 8-bit float (FP8) tensors, and FP8 scales
+    (`*_scale`, fp32 on disk: a bf16 scale would add 0.4% error to every weight), keep their dtype."""
+    if on_disk.is_floating_point and on_disk.itemsize > 1 and not key.endswith("_scale"):
         return dtype
     return on_disk
 
@@ -174,7 +175,7 @@ def load_weights(
                         tensor = handle.get_tensor(key)
                     except SafetensorError as e:
                         raise CheckpointError(f"{path}: cannot read data of tensor {key!r}: {e}") from e
-                    tensor = tensor.to(device=device, dtype=_target_dtype(tensor.dtype, dtype))
+                    tensor = tensor.to(device=device, dtype=_target_dtype(tensor.dtype, dtype, module_key))
                     _install(model, module_key, tensor)
                     loaded.add(module_key)
                     bar.update()
