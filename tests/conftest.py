@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # Triton kernels run in the interpreter on CPU (set before triton loads)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from redline.train.bpe import train_bpe_tokenizer
 from redline.train.data import stdlib_texts

@@ -12,6 +12,7 @@ import torch
 
 from redline.engine.cuda_graphs import GraphedStep
 from redline.engine.kv_cache import KVCache
+from redline.kernels.select import select_kernels, triton_by_default
 from redline.models.eagle3 import Eagle3Draft
 from redline.models.llama import LlamaForCausalLM
 from redline.sampling import SamplingParams, SamplingTensors, select_tokens
@@ -41,6 +42,9 @@ class ModelRunner:
         self.k = num_draft_tokens if draft is not None else 0
         param = next(model.parameters())
         self.device = param.device
+        for module in (model, draft):
+            if module is not None:
+                select_kernels(module, triton_by_default(self.device))
         # writes reach pos + K (target) and pos + 2K - 1 (draft chain) beyond the last real token
         self.cache_len = max_len + 2 * self.k + 1
         self.cache = KVCache(model.config, slots, self.cache_len, param.dtype, self.device)

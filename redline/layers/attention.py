@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,9 @@ class Attention(nn.Module):
         self.chunked = config.is_chunked_layer(layer)
         self.qk_norm_eps = config.rms_norm_eps if (config.use_qk_norm and self.use_rope) else None
         self.temperature_tuning = config.attn_temperature_tuning and not self.use_rope
+        self.chunk_size = config.attention_chunk_size or 0
+        # cached attention kernel: None = SDPA over the cache slice; kernels.select sets the Triton one
+        self.split_kv: Callable[..., torch.Tensor] | None = None
 
     def forward(
         self,
@@ -85,7 +89,15 @@ class Attention(nn.Module):
         if cache is None:  # no cache: the T tokens attend to each other
             keys, values = k.transpose(1, 2), v.transpose(1, 2)
         else:
-            keys, values = self._write_and_read(cache, k, v, batch)
+            self._write(cache, k, v, batch)
+            if self.split_kv is not None:  # the Triton split-KV kernel reads the cache itself
+                chunk = self.chunk_size if self.chunked else 0
+                out = self.split_kv(q, *cache, batch.positions, batch.slot_start, batch.kv_len, chunk)
+                return self.o_proj(out.reshape(*x.shape[:2], -1))
+            keys, values = (
+                c[batch.slot_start : batch.slot_start + x.shape[0], :, : batch.kv_len].to(k.dtype)
+                for c in cache
+            )
         mask = batch.chunked_mask if self.chunked else batch.full_mask
         return self.attend(q, keys, values, mask)
 
@@ -118,17 +130,15 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
     @staticmethod
-    def _write_and_read(
+    def _write(
         cache: tuple[torch.Tensor, torch.Tensor],
         k: torch.Tensor,  # [B, T, kv_heads, head_dim]
         v: torch.Tensor,
         batch: AttentionBatch,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # [B, kv_heads, kv_len, head_dim] each
+    ) -> None:
+        """Stores the new keys and values of slot slot_start + b at their absolute positions."""
         b = k.shape[0]
         rows = torch.arange(b, device=k.device)[:, None]  # [B, 1] pairs with positions [B, T]
-        out = []
         for store, new in zip(cache, (k, v), strict=True):
             mine = store[batch.slot_start : batch.slot_start + b]  # [B, kv_heads, max_len, head_dim] view
             mine.transpose(1, 2)[rows, batch.positions] = new.to(store.dtype)
-            out.append(mine[:, :, : batch.kv_len].to(k.dtype))
-        return out[0], out[1]

@@ -1,0 +1,166 @@
+"""Split-KV decode attention (flash-decoding): the K + 1 query tokens of each slot against its cached
+keys, GQA, per-slot lengths (keys after a query's position are masked) and Llama 4's chunked mask.
+
+Grid (slot x kv head, split): a program takes every query row that shares its kv head (T tokens x G
+query heads) and one contiguous split of the cache positions, and keeps an online softmax over it
+(running max m, sum l, unnormalised output acc). The splits then combine:
+    out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s,   M = max_s m_s.
+Row r of a program is token r // G of query head kv_head * G + r % G (G = 2: rows 0, 1 are token 0 of
+heads 2h and 2h + 1).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+def decode_attention_reference(
+    q: torch.Tensor,  # [B, T, Hq, D]
+    k_cache: torch.Tensor,  # [slots, Hkv, L, D]
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,  # [B, T] absolute positions of the queries
+    slot_start: int,
+    kv_len: int,
+    chunk: int = 0,  # attention chunk size (0: none)
+) -> torch.Tensor:  # [B, T, Hq, D]
+    b = q.shape[0]
+    keys = k_cache[slot_start : slot_start + b, :, :kv_len]
+    values = v_cache[slot_start : slot_start + b, :, :kv_len]
+    key_pos = torch.arange(kv_len, device=q.device)[None, None, None, :]
+    query_pos = positions[:, None, :, None]
+    mask = key_pos <= query_pos
+    if chunk:
+        mask &= key_pos >= query_pos - query_pos % chunk
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2).float(), keys.float(), values.float(), attn_mask=mask, enable_gqa=True
+    )
+    return out.transpose(1, 2).to(q.dtype)
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pos_ptr,
+    acc_ptr,
+    m_ptr,
+    l_ptr,
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    slot_start,
+    kv_len,
+    chunk,
+    sm_scale,
+    num_kv_heads,
+    num_splits,
+    T: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT_LEN: tl.constexpr,  # cache positions per split, a multiple of BLOCK_N (a variant per KV bucket)
+):
+    pid, split = tl.program_id(0), tl.program_id(1)
+    b, h = pid // num_kv_heads, pid % num_kv_heads
+    rows = tl.arange(0, BLOCK_M)
+    token, head = rows // G, h * G + rows % G
+    row_ok = rows < T * G
+    dims = tl.arange(0, D)
+    q = tl.load(
+        q_ptr + b * stride_qb + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    ).to(tl.float32)
+    q_pos = tl.load(pos_ptr + b * T + token, mask=row_ok, other=0)
+    lowest = tl.where(chunk > 0, q_pos - q_pos % tl.maximum(chunk, 1), 0)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    kv_base = (slot_start + b) * stride_kb + h * stride_kh
+    start = split * SPLIT_LEN
+    for offset in range(0, SPLIT_LEN, BLOCK_N):
+        n = start + offset + tl.arange(0, BLOCK_N)
+        n_ok = (n < kv_len) & (n < start + SPLIT_LEN)
+        k = tl.load(k_ptr + kv_base + n[:, None] * stride_kn + dims[None, :], mask=n_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + kv_base + n[:, None] * stride_kn + dims[None, :], mask=n_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k.to(tl.float32))) * sm_scale  # [BLOCK_M, BLOCK_N]
+        visible = (
+            n_ok[None, :] & (n[None, :] <= q_pos[:, None]) & (n[None, :] >= lowest[:, None]) & row_ok[:, None]
+        )
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        denom = denom * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+        m = m_new
+    out_row = (pid * num_splits + split) * BLOCK_M + rows
+    tl.store(acc_ptr + out_row[:, None] * D + dims[None, :], acc)
+    tl.store(m_ptr + out_row, m)
+    tl.store(l_ptr + out_row, denom)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+    slot_start: int,
+    kv_len: int,
+    chunk: int = 0,
+    num_splits: int = 4,
+    block_n: int = 16,
+) -> torch.Tensor:
+    """Same arguments and result as decode_attention_reference; the caches must be contiguous."""
+    q = q.contiguous()  # interleaved RoPE leaves head_dim strided (Llama 4: stride 3 over a [T, H, D] view)
+    b, t, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    g = hq // hkv
+    block_m = max(16, triton.next_power_of_2(t * g))  # tl.dot needs >= 16 rows
+    split_len = triton.cdiv(triton.cdiv(kv_len, num_splits), block_n) * block_n
+    acc = torch.empty(b * hkv, num_splits, block_m, d, dtype=torch.float32, device=q.device)
+    m = torch.empty(b * hkv, num_splits, block_m, dtype=torch.float32, device=q.device)
+    denom = torch.empty_like(m)
+    _split_kernel[(b * hkv, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        positions.contiguous(),
+        acc,
+        m,
+        denom,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        slot_start,
+        kv_len,
+        chunk,
+        1.0 / math.sqrt(d),
+        hkv,
+        num_splits,
+        T=t,
+        G=g,
+        D=d,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        SPLIT_LEN=split_len,
+    )
+    top = m.amax(dim=1, keepdim=True)  # [B * Hkv, 1, BLOCK_M]
+    weight = torch.exp(m - top.nan_to_num(neginf=0.0))  # splits that saw no key weigh 0
+    out = (weight[..., None] * acc).sum(1) / (weight * denom).sum(1)[..., None]  # [B * Hkv, BLOCK_M, D]
+    out = out[:, : t * g].view(b, hkv, t, g, d).permute(0, 2, 1, 3, 4)  # row r = (token r // G, head r % G)
+    return out.reshape(b, t, hq, d).to(q.dtype)

@@ -1,0 +1,128 @@
+"""Each Triton kernel against its torch reference: fresh random inputs, several shapes, tolerances by
+dtype. On CPU they run under TRITON_INTERPRET=1 (conftest sets it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from redline.kernels.decode_attention import decode_attention, decode_attention_reference
+from redline.kernels.rms_norm import add_rms_norm, add_rms_norm_reference, quantize_rows_reference
+from redline.kernels.swiglu import swiglu, swiglu_reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# fp32: both sides accumulate in fp32 in different orders (a few ulp); bf16: outputs are rounded to
+# 8 mantissa bits, one bf16 ulp is 2^-8 relative
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 64), (3, 96), (5, 256)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm(dtype, shape, with_residual):
+    x = torch.randn(shape, device=DEVICE).to(dtype)
+    residual = torch.randn(shape, device=DEVICE).to(dtype) if with_residual else None
+    weight = torch.rand(shape[1], device=DEVICE) + 0.5
+    out, res_out, _ = add_rms_norm(x, residual, weight, 1e-5)
+    ref_out, ref_res = add_rms_norm_reference(x, residual, weight, 1e-5)
+    torch.testing.assert_close(out, ref_out, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(res_out, ref_res, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def _fp8_rms_norm():
+    x, residual = torch.randn(4, 128, device=DEVICE), torch.randn(4, 128, device=DEVICE)
+    weight = torch.rand(128, device=DEVICE) + 0.5
+    out, _, (q, scale) = add_rms_norm(x, residual, weight, 1e-6, quantize=True)
+    return q, scale, *quantize_rows_reference(out)
+
+
+def test_add_rms_norm_fp8_scales():
+    _, scale, _, ref_scale = _fp8_rms_norm()
+    torch.testing.assert_close(scale, ref_scale, atol=0, rtol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a GPU: triton 3.6's interpreter mis-rounds "
+    "fp32 -> e4m3 casts that round up to the next power of two (126.2 -> 64, not 128)",
+)
+def test_add_rms_norm_fp8_codes():
+    q, _, ref_q, _ = _fp8_rms_norm()
+    # the same fp32 value rounds to the same e4m3 code, except at a rounding boundary (1 code apart)
+    codes = (q.view(torch.uint8).int() - ref_q.view(torch.uint8).int()).abs()
+    assert int(codes.max()) <= 1 and (codes == 0).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 32), (4, 200), (3, 2048)])
+def test_swiglu(dtype, shape):
+    gate_up = torch.randn(shape, device=DEVICE).to(dtype)
+    torch.testing.assert_close(
+        swiglu(gate_up, block=64), swiglu_reference(gate_up), atol=TOL[dtype], rtol=TOL[dtype]
+    )
+
+
+@pytest.mark.parametrize(
+    "b,t,hq,hkv,kv_len,chunk,splits",
+    [
+        (1, 1, 4, 4, 32, 0, 1),  # plain decode, MHA
+        (2, 4, 4, 2, 64, 0, 4),  # K = 3 verify, GQA 2
+        (3, 4, 8, 2, 96, 24, 3),  # chunked mask across a chunk boundary, GQA 4
+        (2, 2, 2, 1, 48, 0, 8),  # more splits than needed: some splits see no key
+    ],
+)
+def test_decode_attention(b, t, hq, hkv, kv_len, chunk, splits):
+    d, slots, max_len = 16, b + 2, kv_len + 8
+    gen = torch.Generator().manual_seed(b * 100 + t)
+    q = torch.randn(b, t, hq, d, generator=gen).to(DEVICE)
+    k_cache = torch.randn(slots, hkv, max_len, d, generator=gen).to(DEVICE)
+    v_cache = torch.randn(slots, hkv, max_len, d, generator=gen).to(DEVICE)
+    # per-slot lengths: each slot's queries sit at its own positions, consecutive over its T tokens
+    last = torch.randint(t, kv_len, (b,), generator=gen).to(DEVICE)
+    positions = last[:, None] - torch.arange(t - 1, -1, -1, device=DEVICE)[None]
+    got = decode_attention(q, k_cache, v_cache, positions, 1, kv_len, chunk, num_splits=splits)
+    expected = decode_attention_reference(q, k_cache, v_cache, positions, 1, kv_len, chunk)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,e,h,i", [(1, 4, 32, 24), (3, 8, 96, 40), (5, 16, 64, 128)])
+def test_moe_top1(dtype, n, e, h, i):
+    from redline.kernels.moe_top1 import moe_top1, moe_top1_reference
+
+    x = torch.randn(n, h, device=DEVICE).to(dtype)
+    expert = torch.randint(0, e, (n,), device=DEVICE)
+    weight = torch.rand(n, device=DEVICE)
+    gate_up = (torch.randn(e, h, 2 * i, device=DEVICE) * 0.1).to(dtype)
+    down = (torch.randn(e, i, h, device=DEVICE) * 0.1).to(dtype)
+    got = moe_top1(x, expert, weight, gate_up, down, block_k=16, block_j=16)
+    torch.testing.assert_close(
+        got, moe_top1_reference(x, expert, weight, gate_up, down), atol=TOL[dtype], rtol=TOL[dtype]
+    )
+
+
+def test_engine_with_triton_attention_matches_sdpa(tmp_path, tokenizer_dir):
+    """Greedy decoding of a Llama 4 model (chunked attention, chunk 24) with speculation: the Triton
+    split-KV kernel in every cached attention gives the SDPA path's tokens."""
+    from conftest import build_hf_model, llama4_hf_config, save_hf_model
+
+    from redline import LLM, SamplingParams
+    from redline.kernels.select import select_kernels
+    from redline.models.random_init import write_random_draft
+
+    target = save_hf_model(build_hf_model(llama4_hf_config(), seed=4), tmp_path / "t", tokenizer_dir)
+    draft = write_random_draft(target, tmp_path / "d")
+    llm = LLM(
+        target, dtype="float32", device=DEVICE, max_batch=2, max_seq_len=64, draft=draft, num_draft_tokens=2
+    )
+    prompts = [list(range(5, 25)), list(range(30, 37))]  # the first crosses the chunk boundary at 24
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    select_kernels(llm.model, False)
+    select_kernels(llm.draft, False)
+    expected = [c.token_ids for c in llm.generate(prompts, params)]
+    select_kernels(llm.model, True)
+    select_kernels(llm.draft, True)
+    assert [c.token_ids for c in llm.generate(prompts, params)] == expected
