@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import time
 import typing
 from pathlib import Path
 
@@ -38,6 +39,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         compile=args.compile,
     )
     prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.chat}]) if args.chat else args.prompt
+    if args.compile:  # compile the step for this prompt's buckets before timing (longer outputs may add one)
+        start = time.perf_counter()
+        llm.generate([prompt], SamplingParams(max_tokens=2))
+        print(f"[redline] compile warm-up: {time.perf_counter() - start:.1f} s", file=sys.stderr)
     stream = llm.stream(prompt, params)
     for piece in stream:
         sys.stdout.write(piece)
@@ -192,6 +197,30 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    import json
+
+    from redline.evaluate.run import EvalConfig, eval_table, evaluate, parse_config
+    from redline.evaluate.tasks import load_tasks
+    from redline.train import data
+
+    configs = [EvalConfig(args.dtype, args.model, *_mode(args.dtype))]
+    configs += [parse_config(spec, configs[0]) for spec in args.compare]
+    texts = data.load_texts(args.text) if args.text else data.split_stdlib()[1]
+    rows = evaluate(configs, load_tasks(args.data), texts, args.windows, device=args.device)
+    print(eval_table(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _mode(dtype: str) -> tuple[str, str | None]:
+    from redline.evaluate.run import MODES
+
+    return MODES.get(dtype, (dtype, None))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="redline", description="Low-latency LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -210,7 +239,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--draft", type=Path, default=None, help="EAGLE-3 draft directory (speculative decoding)")
     g.add_argument("--num-draft-tokens", type=int, default=3, help="draft length K (1..8)")
-    g.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    g.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="torch.compile the decode step (warm-up time is printed)",
+    )
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("info", help="print the architecture, sizes and layer pattern")
@@ -272,6 +306,19 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--model", required=True, type=Path)
     q.add_argument("--out", required=True, type=Path)
     q.set_defaults(func=cmd_quantize)
+
+    e = sub.add_parser("eval", help="BF16 vs FP8 vs speculation: perplexity, KL, agreement, task accuracy")
+    e.add_argument("--model", required=True, type=Path)
+    e.add_argument("--data", required=True, type=Path, help="JSONL task file (math, choice, code)")
+    e.add_argument("--compare", action="append", default=[], help="fp8 | bf16 | fp32 | spec:DRAFT_DIR | DIR")
+    e.add_argument("--dtype", default="bf16", help="the base configuration: bf16 | fp32 | fp8")
+    e.add_argument(
+        "--text", type=Path, default=None, help="held-out text (default: the stdlib held-out files)"
+    )
+    e.add_argument("--windows", type=int, default=16, help="256-token windows of text for perplexity / KL")
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--json", type=Path, default=None)
+    e.set_defaults(func=cmd_eval)
 
     from redline.server.serve import add_parser as add_serve_parser
 

@@ -1,0 +1,154 @@
+"""Batch-1 decode step on a Llama-3.1-8B-shaped random-weight model: BF16 and FP8 against the memory
+bandwidth roofline, the EAGLE-3 K=3 step against the plain step, CUDA graph against eager.
+
+    python benchmarks/gpu_bench.py --out OUTDIR [--shape 8b|tiny] [--device cuda] [--peak-gbps 4800]
+
+Weights are random (N(0, 0.02)), built directly on the device: no checkpoint is read. The roofline
+time of a plain step is (weight bytes read per token) / (peak bandwidth): every linear weight plus
+one embedding row; KV-cache reads are left out (a few MB at this length). `--shape tiny --device cpu`
+runs the same code on CPU in seconds (tests/test_gpu_check.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from redline.config import ModelConfig
+from redline.engine.runner import ModelRunner
+from redline.models.eagle3 import Eagle3Draft, draft_config_for
+from redline.models.llama import LlamaForCausalLM
+from redline.models.random_init import llama3_config, normal_init
+from redline.quant.convert import HIGH_PRECISION, to_fp8
+from redline.quant.fp8 import scaled_mm_available
+from redline.quant.scheme import Fp8Scheme
+from redline.sampling import SamplingParams
+
+SHAPES = {
+    "8b": dict(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    ),
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    ),
+}
+PROMPT = 128
+
+
+def weight_bytes(model: LlamaForCausalLM) -> int:
+    embed = model.model.embed_tokens.weight
+    total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return total - embed.numel() * embed.element_size() + embed[0].numel() * embed.element_size()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_step(runner: ModelRunner, graphed: bool, steps: int) -> float:
+    """Seconds per decode step of slot 0 (prefilled with PROMPT tokens), the graph or the eager step."""
+    runner.prefill(0, list(range(5, 5 + PROMPT)), SamplingParams(), seed=0)
+    kv_len = runner.kv_len_for(PROMPT + steps * (runner.k + 1))
+    run = runner._run_step if graphed else runner.step
+    for _ in range(3):
+        run(1, kv_len, False)
+    sync(runner.device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        run(1, kv_len, False)
+    sync(runner.device)
+    runner.release(0)
+    return (time.perf_counter() - start) / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--shape", choices=list(SHAPES), default="8b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--peak-gbps", type=float, default=4800.0, help="H200 HBM3e: 4.8 TB/s")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    config = ModelConfig.from_dict(llama3_config(**SHAPES[args.shape]))
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        draft = Eagle3Draft(draft_config_for(config)).to(torch.bfloat16)
+    normal_init(model)
+    normal_init(draft)
+    model.tie_weights()
+    model.model.rotary.materialize(device)
+    draft.attach(model)
+    draft.rotary.materialize(device)
+    max_len = PROMPT + args.steps * 4 + 64
+    graphs = device.type == "cuda"
+    results = []
+
+    def record(name: str, runner: ModelRunner, graphed: bool, bytes_per_step: int) -> None:
+        seconds = time_step(runner, graphed, args.steps)
+        gbps = bytes_per_step / seconds / 1e9
+        results.append(
+            {
+                "name": name,
+                "ms_per_step": seconds * 1e3,
+                "weight_gb_per_s": gbps,
+                "roofline_fraction": gbps / args.peak_gbps,
+            }
+        )
+        share = gbps / args.peak_gbps
+        print(f"{name:<28}{seconds * 1e3:>9.3f} ms/step{gbps:>9.1f} GB/s{share:>8.1%} of roofline")
+
+    bf16_bytes = weight_bytes(model)
+    plain = ModelRunner(model, 1, max_len)
+    record("bf16 plain eager", plain, False, bf16_bytes)
+    if graphs:
+        record("bf16 plain cuda-graph", plain, True, bf16_bytes)
+    spec = ModelRunner(model, 1, max_len, draft, 3)
+    record("bf16 eagle3 K=3 step", spec, graphs, bf16_bytes)
+    del plain, spec
+    with torch.no_grad():
+        to_fp8(model, Fp8Scheme(tuple(HIGH_PRECISION)), scaled_mm_available(device))
+    fp8_bytes = weight_bytes(model)
+    record(
+        "fp8 plain" + (" cuda-graph" if graphs else " eager"),
+        ModelRunner(model, 1, max_len),
+        graphs,
+        fp8_bytes,
+    )
+    by_name = {r["name"]: r["ms_per_step"] for r in results}
+    summary = {
+        "device": torch.cuda.get_device_name() if graphs else "cpu",
+        "torch": torch.__version__,
+        "shape": args.shape,
+        "bf16_weight_gb": bf16_bytes / 1e9,
+        "fp8_weight_gb": fp8_bytes / 1e9,
+        "k3_step_over_plain_step": by_name["bf16 eagle3 K=3 step"]
+        / by_name["bf16 plain" + (" cuda-graph" if graphs else " eager")],
+        "pdl": "not implemented (issue 5, item 6)",
+        "results": results,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu_bench.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps({k: v for k, v in summary.items() if k != "results"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""`redline eval`: configurations of one model side by side: BF16 vs FP8, speculation on vs off, or
+another checkpoint. One row per configuration:
+- perplexity on held-out text, and the mean per-token KL(base || config) over the same windows;
+- greedy token agreement with the base configuration (position-wise, over the task completions);
+- accuracy per task column of a JSONL task file (tasks.py).
+The first configuration is the base.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from redline.engine.llm import LLM
+from redline.evaluate.tasks import Task, score
+from redline.sampling import SamplingParams
+from redline.tokenizer import Tokenizer
+from redline.train import data
+
+MODES = {"bf16": ("bfloat16", None), "fp32": ("float32", None), "fp8": ("bfloat16", "fp8")}
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    name: str
+    model_dir: Path
+    dtype: str
+    quantization: str | None = None
+    draft: Path | None = None
+
+
+def parse_config(spec: str, base: EvalConfig) -> EvalConfig:
+    """'fp8' | 'bf16' | 'fp32': the base model in that mode; 'spec:DIR': the base with that EAGLE-3
+    draft; else a checkpoint directory in the base's dtype (FP8 checkpoints load as FP8)."""
+    if spec in MODES:
+        return EvalConfig(spec, base.model_dir, *MODES[spec])
+    if spec.startswith("spec:"):
+        return EvalConfig(
+            f"{base.name}+eagle3", base.model_dir, base.dtype, base.quantization, Path(spec[5:])
+        )
+    path = Path(spec)
+    if not path.is_dir():
+        modes = ", ".join(MODES)
+        raise ValueError(f"--compare {spec!r} is neither a mode ({modes}, spec:DRAFT_DIR) nor a directory")
+    return EvalConfig(path.name, path, base.dtype)
+
+
+def text_windows(tokenizer: Tokenizer, texts: list[str], length: int, count: int) -> list[torch.Tensor]:
+    separator = min(tokenizer.eos_token_ids, default=0)
+    stream = data.token_stream([tokenizer.encode(t) for t in texts], separator)
+    return [stream[i * length : (i + 1) * length + 1] for i in range(min(count, (len(stream) - 1) // length))]
+
+
+@torch.no_grad()
+def log_probs(llm: LLM, windows: list[torch.Tensor]) -> list[torch.Tensor]:
+    model, out = llm.model, []
+    for window in windows:
+        inputs = window[None, :-1].to(llm.runner.device)
+        hidden, _ = model(inputs, torch.arange(inputs.shape[1], device=inputs.device)[None])
+        out.append(model.logits(hidden)[0].log_softmax(-1).cpu())  # [T, V] fp32
+    return out
+
+
+def evaluate(
+    configs: list[EvalConfig],
+    tasks: list[Task],
+    texts: list[str],
+    windows: int = 16,
+    window_len: int = 256,
+    device: str = "cpu",
+) -> list[dict]:
+    rows, base_lp, base_tokens = [], None, None
+    for config in configs:
+        llm = LLM(
+            config.model_dir,
+            dtype=config.dtype,
+            device=device,
+            max_batch=8,
+            quantization=config.quantization,
+            draft=config.draft,
+        )
+        samples = text_windows(llm.tokenizer, texts, window_len, windows)
+        lp = log_probs(llm, samples)
+        nll = [
+            -row[torch.arange(len(w) - 1), w[1:]].mean().item() for row, w in zip(lp, samples, strict=True)
+        ]
+        base_lp = base_lp or lp
+        kl = [(b.exp() * (b - c)).sum(-1).mean().item() for b, c in zip(base_lp, lp, strict=True)]
+        params = [SamplingParams(max_tokens=t.max_tokens) for t in tasks]
+        completions = llm.generate([t.prompt for t in tasks], params)
+        tokens = [c.token_ids for c in completions]
+        base_tokens = base_tokens or tokens
+        pairs = [(a, b) for x, y in zip(tokens, base_tokens, strict=True) for a, b in zip(x, y, strict=False)]
+        row = {
+            "config": config.name,
+            "perplexity": math.exp(sum(nll) / len(nll)),
+            "kl_to_base": sum(kl) / len(kl),
+            "greedy_agreement": sum(a == b for a, b in pairs) / max(1, len(pairs)),
+        }
+        correct: dict[str, list[bool]] = {}
+        for task, c in tqdm(
+            list(zip(tasks, completions, strict=True)), desc=f"scoring {config.name}", leave=False
+        ):
+            correct.setdefault(task.task, []).append(score(task, c.text))
+        row["accuracy"] = {name: sum(v) / len(v) for name, v in correct.items()}
+        rows.append(row)
+    return rows
+
+
+def eval_table(rows: list[dict]) -> str:
+    columns = sorted({name for r in rows for name in r["accuracy"]})
+    head = f"{'config':<18}{'perplexity':>12}{'KL to base':>12}{'greedy = base':>15}" + "".join(
+        f"{c:>10}" for c in columns
+    )
+    lines = [head]
+    for r in rows:
+        cells = "".join(f"{100 * r['accuracy'].get(c, float('nan')):>9.1f}%" for c in columns)
+        lines.append(
+            f"{r['config']:<18}{r['perplexity']:>12.3f}{r['kl_to_base']:>12.2e}{r['greedy_agreement']:>15.1%}{cells}"
+        )
+    return "\n".join(lines)
