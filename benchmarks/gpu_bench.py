@@ -20,6 +20,7 @@ import torch
 
 from redline.config import ModelConfig
 from redline.engine.runner import ModelRunner
+from redline.kernels.select import pdl_supported
 from redline.models.eagle3 import Eagle3Draft, draft_config_for
 from redline.models.llama import LlamaForCausalLM
 from redline.models.random_init import llama3_config, normal_init
@@ -121,6 +122,8 @@ def main() -> None:
     record("bf16 plain eager", plain, False, bf16_bytes)
     if graphs:
         record("bf16 plain cuda-graph", plain, True, bf16_bytes)
+    if pdl_supported(device):
+        record("bf16 plain cuda-graph pdl", ModelRunner(model, 1, max_len, pdl=True), True, bf16_bytes)
     spec = ModelRunner(model, 1, max_len, draft, 3)
     record("bf16 eagle3 K=3 step", spec, graphs, bf16_bytes)
     del plain, spec
@@ -142,7 +145,11 @@ def main() -> None:
         "fp8_weight_gb": fp8_bytes / 1e9,
         "k3_step_over_plain_step": by_name["bf16 eagle3 K=3 step"]
         / by_name["bf16 plain" + (" cuda-graph" if graphs else " eager")],
-        "pdl": "not implemented (issue 5, item 6)",
+        "pdl_over_no_pdl": (
+            by_name["bf16 plain cuda-graph pdl"] / by_name["bf16 plain cuda-graph"]
+            if "bf16 plain cuda-graph pdl" in by_name
+            else None
+        ),
         "results": results,
     }
     args.out.mkdir(parents=True, exist_ok=True)

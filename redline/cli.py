@@ -37,6 +37,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         draft=args.draft,
         num_draft_tokens=args.num_draft_tokens,
         compile=args.compile,
+        pdl=args.pdl,
     )
     prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.chat}]) if args.chat else args.prompt
     if args.compile:  # compile the step for this prompt's buckets before timing (longer outputs may add one)
@@ -245,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=False,
         help="torch.compile the decode step (warm-up time is printed)",
     )
+    g.add_argument("--pdl", action="store_true", help="programmatic dependent launch (Hopper+ GPUs)")
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("info", help="print the architecture, sizes and layer pattern")

@@ -126,3 +126,18 @@ def test_engine_with_triton_attention_matches_sdpa(tmp_path, tokenizer_dir):
     select_kernels(llm.model, True)
     select_kernels(llm.draft, True)
     assert [c.token_ids for c in llm.generate(prompts, params)] == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+    reason="programmatic dependent launch needs a Hopper or newer GPU",
+)
+def test_decode_attention_with_pdl():
+    q = torch.randn(2, 4, 8, 64, device="cuda")
+    k_cache, v_cache = torch.randn(2, 3, 2, 256, 64, device="cuda").unbind(0)  # 3 slots, 2 kv heads
+    positions = torch.tensor([[100, 101, 102, 103], [7, 8, 9, 10]], device="cuda")
+    got = decode_attention(q, k_cache, v_cache, positions, 0, 256, pdl=True)
+    torch.testing.assert_close(
+        got, decode_attention_reference(q, k_cache, v_cache, positions, 0, 256), atol=1e-4, rtol=1e-4
+    )

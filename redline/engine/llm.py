@@ -77,8 +77,10 @@ class LLM:
         num_draft_tokens: int = 3,
         compile: bool = False,
         quantization: str | None = None,
+        pdl: bool = False,
     ):
-        """dtype "fp8" means bfloat16 activations with FP8 weights (quantization="fp8")."""
+        """dtype "fp8" means bfloat16 activations with FP8 weights (quantization="fp8"); pdl launches the
+        Triton kernels with programmatic dependent launch (Hopper or newer GPUs)."""
         model_dir = Path(model)
         if dtype == "fp8":
             dtype, quantization = "bfloat16", "fp8"
@@ -101,7 +103,7 @@ class LLM:
         self.num_draft_tokens = num_draft_tokens if self.draft is not None else 0
         self.max_seq_len = min(max_seq_len or 4096, self.config.max_position)
         self.runner = ModelRunner(
-            self.model, max_batch, self.max_seq_len, self.draft, num_draft_tokens, compile
+            self.model, max_batch, self.max_seq_len, self.draft, num_draft_tokens, compile, pdl
         )
         self.scheduler = Scheduler(self.runner)
 

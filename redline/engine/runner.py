@@ -12,7 +12,7 @@ import torch
 
 from redline.engine.cuda_graphs import GraphedStep
 from redline.engine.kv_cache import KVCache
-from redline.kernels.select import select_kernels, triton_by_default
+from redline.kernels.select import pdl_supported, select_kernels, triton_by_default
 from redline.models.eagle3 import Eagle3Draft
 from redline.models.llama import LlamaForCausalLM
 from redline.sampling import SamplingParams, SamplingTensors, select_tokens
@@ -37,14 +37,17 @@ class ModelRunner:
         draft: Eagle3Draft | None = None,
         num_draft_tokens: int = 3,
         compile: bool = False,
+        pdl: bool = False,
     ):
         self.model, self.draft = model, draft
         self.k = num_draft_tokens if draft is not None else 0
         param = next(model.parameters())
         self.device = param.device
+        if pdl and not (triton_by_default(self.device) and pdl_supported(self.device)):
+            raise ValueError("programmatic dependent launch needs Triton and a Hopper or newer GPU")
         for module in (model, draft):
             if module is not None:
-                select_kernels(module, triton_by_default(self.device))
+                select_kernels(module, triton_by_default(self.device), pdl)
         # writes reach pos + K (target) and pos + 2K - 1 (draft chain) beyond the last real token
         self.cache_len = max_len + 2 * self.k + 1
         self.cache = KVCache(model.config, slots, self.cache_len, param.dtype, self.device)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 
 def decode_attention_reference(
@@ -69,7 +70,10 @@ def _split_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT_LEN: tl.constexpr,  # cache positions per split, a multiple of BLOCK_N (a variant per KV bucket)
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (Hopper+)
 ):
+    if USE_PDL:  # the launch may overlap the previous kernel: wait for its writes (q, the KV cache)
+        gdc_wait()
     pid, split = tl.program_id(0), tl.program_id(1)
     b, h = pid // num_kv_heads, pid % num_kv_heads
     rows = tl.arange(0, BLOCK_M)
@@ -121,8 +125,10 @@ def decode_attention(
     chunk: int = 0,
     num_splits: int = 4,
     block_n: int = 16,
+    pdl: bool = False,
 ) -> torch.Tensor:
-    """Same arguments and result as decode_attention_reference; the caches must be contiguous."""
+    """Same arguments and result as decode_attention_reference; the caches must be contiguous. With
+    pdl (Hopper or newer GPUs), the kernel is launched with programmatic dependent launch."""
     q = q.contiguous()  # interleaved RoPE leaves head_dim strided (Llama 4: stride 3 over a [T, H, D] view)
     b, t, hq, d = q.shape
     hkv = k_cache.shape[1]
@@ -158,6 +164,8 @@ def decode_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         SPLIT_LEN=split_len,
+        USE_PDL=pdl,
+        launch_pdl=pdl,
     )
     top = m.amax(dim=1, keepdim=True)  # [B * Hkv, 1, BLOCK_M]
     weight = torch.exp(m - top.nan_to_num(neginf=0.0))  # splits that saw no key weigh 0
