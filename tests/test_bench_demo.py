@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
+
 from redline.cli import main
 from redline.demo import run_demo
 
@@ -52,3 +54,25 @@ def test_demo_runs_the_cached_pair(trained, tmp_path, monkeypatch, capsys):
     assert result["acceptance_length"] > 1.5
     printed = capsys.readouterr().out
     assert "held-out prompt 2" in printed and "speedup" in printed
+
+
+def test_demo_builds_in_a_partial_directory_and_resumes(tmp_path):
+    from redline.demo import _build
+
+    calls = []
+
+    def trainer(out, resume):
+        calls.append(resume)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "checkpoint.pt").write_text("step")
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # interrupted mid-training
+        (out / "config.json").write_text("{}")
+
+    final = tmp_path / "target"
+    with pytest.raises(KeyboardInterrupt):
+        _build(final, trainer)
+    assert not final.exists() and (tmp_path / "target.partial").is_dir()
+    _build(final, trainer)
+    assert calls == [False, True]  # the second run resumed from the checkpoint
+    assert (final / "config.json").is_file() and not (tmp_path / "target.partial").exists()
