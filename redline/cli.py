@@ -38,6 +38,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         num_draft_tokens=args.num_draft_tokens,
         compile=args.compile,
         pdl=args.pdl,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.chat}]) if args.chat else args.prompt
     if args.compile:  # compile the step for this prompt's buckets before timing (longer outputs may add one)
@@ -247,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch.compile the decode step (warm-up time is printed)",
     )
     g.add_argument("--pdl", action="store_true", help="programmatic dependent launch (Hopper+ GPUs)")
+    g.add_argument("--kv-cache-dtype", default=None, help="fp8 | bfloat16 | float32 (default: the model's)")
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("info", help="print the architecture, sizes and layer pattern")

@@ -141,3 +141,28 @@ def test_ignore_patterns():
     assert scheme.keeps_high_precision("model.layers.0.mlp.up_proj")
     assert not scheme.keeps_high_precision("model.layers.0.mlp.gate_proj")
     assert scheme.keeps_high_precision("lm_head")
+
+
+def test_fp8_kv_cache_close_to_full_precision(tmp_path, tokenizer_dir):
+    from redline.engine.kv_cache import KVCache
+
+    src = save_hf_model(build_hf_model(llama3_hf_config(), seed=5), tmp_path / "src", tokenizer_dir)
+    model = load_target(src, torch.float32)
+    tokens = torch.randint(0, model.config.vocab_size, (1, 33), generator=torch.Generator().manual_seed(2))
+    logits = {}
+    for dtype in (torch.float32, FP8):
+        cache = KVCache(model.config, 1, 64, dtype, torch.device("cpu"))
+        with torch.no_grad():
+            model(tokens[:, :32], torch.arange(32)[None], cache.layers, 0, 64)  # prefill into the cache
+            hidden, _ = model(tokens[:, 32:], torch.tensor([[32]]), cache.layers, 0, 64)  # one decode step
+        logits[dtype] = model.logits(hidden)[0, -1].log_softmax(-1)
+    assert cache.layers[0][0].dtype == FP8
+    kl = (logits[torch.float32].exp() * (logits[torch.float32] - logits[FP8])).sum().item()
+    assert 0 < kl < 1e-2, kl  # e4m3 keys/values: ~2^-5 relative noise, averaged by attention
+
+
+def test_llm_fp8_kv_cache_option(tmp_path, tokenizer_dir):
+    src = save_hf_model(build_hf_model(llama3_hf_config(), seed=6), tmp_path / "src", tokenizer_dir)
+    llm = LLM(src, dtype="float32", max_batch=1, kv_cache_dtype="fp8")
+    assert llm.runner.cache.layers[0][0].dtype == FP8
+    assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=5, ignore_eos=True))[0].completion_tokens == 5

@@ -74,12 +74,14 @@ def test_swiglu(dtype, shape):
         (2, 2, 2, 1, 48, 0, 8),  # more splits than needed: some splits see no key
     ],
 )
-def test_decode_attention(b, t, hq, hkv, kv_len, chunk, splits):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
+def test_decode_attention(b, t, hq, hkv, kv_len, chunk, splits, cache_dtype):
     d, slots, max_len = 16, b + 2, kv_len + 8
     gen = torch.Generator().manual_seed(b * 100 + t)
     q = torch.randn(b, t, hq, d, generator=gen).to(DEVICE)
     k_cache = torch.randn(slots, hkv, max_len, d, generator=gen).to(DEVICE)
     v_cache = torch.randn(slots, hkv, max_len, d, generator=gen).to(DEVICE)
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)  # FP8 caches are read as fp32
     # per-slot lengths: each slot's queries sit at its own positions, consecutive over its T tokens
     last = torch.randint(t, kv_len, (b,), generator=gen).to(DEVICE)
     positions = last[:, None] - torch.arange(t - 1, -1, -1, device=DEVICE)[None]

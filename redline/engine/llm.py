@@ -37,6 +37,14 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
+def _kv_dtype(name: str | None) -> torch.dtype | None:
+    if name is None:
+        return None
+    if name == "fp8":
+        return torch.float8_e4m3fn
+    return parse_dtype(name)
+
+
 def _generation_eos(model_dir: Path) -> list[int]:
     path = model_dir / "generation_config.json"
     if not path.is_file():
@@ -78,9 +86,11 @@ class LLM:
         compile: bool = False,
         quantization: str | None = None,
         pdl: bool = False,
+        kv_cache_dtype: str | None = None,
     ):
         """dtype "fp8" means bfloat16 activations with FP8 weights (quantization="fp8"); pdl launches the
-        Triton kernels with programmatic dependent launch (Hopper or newer GPUs)."""
+        Triton kernels with programmatic dependent launch (Hopper or newer GPUs); kv_cache_dtype "fp8"
+        stores keys and values in e4m3 (scale 1), half the bytes of bf16."""
         model_dir = Path(model)
         if dtype == "fp8":
             dtype, quantization = "bfloat16", "fp8"
@@ -103,7 +113,14 @@ class LLM:
         self.num_draft_tokens = num_draft_tokens if self.draft is not None else 0
         self.max_seq_len = min(max_seq_len or 4096, self.config.max_position)
         self.runner = ModelRunner(
-            self.model, max_batch, self.max_seq_len, self.draft, num_draft_tokens, compile, pdl
+            self.model,
+            max_batch,
+            self.max_seq_len,
+            self.draft,
+            num_draft_tokens,
+            compile,
+            pdl,
+            _kv_dtype(kv_cache_dtype),
         )
         self.scheduler = Scheduler(self.runner)
 

@@ -38,6 +38,7 @@ class ModelRunner:
         num_draft_tokens: int = 3,
         compile: bool = False,
         pdl: bool = False,
+        kv_cache_dtype: torch.dtype | None = None,  # None: the model's dtype; torch.float8_e4m3fn halves it
     ):
         self.model, self.draft = model, draft
         self.k = num_draft_tokens if draft is not None else 0
@@ -50,10 +51,11 @@ class ModelRunner:
                 select_kernels(module, triton_by_default(self.device), pdl)
         # writes reach pos + K (target) and pos + 2K - 1 (draft chain) beyond the last real token
         self.cache_len = max_len + 2 * self.k + 1
-        self.cache = KVCache(model.config, slots, self.cache_len, param.dtype, self.device)
+        kv_dtype = kv_cache_dtype or param.dtype
+        self.cache = KVCache(model.config, slots, self.cache_len, kv_dtype, self.device)
         self.draft_cache = None
         if draft is not None:
-            self.draft_cache = KVCache(draft.config.layer, slots, self.cache_len, param.dtype, self.device)
+            self.draft_cache = KVCache(draft.config.layer, slots, self.cache_len, kv_dtype, self.device)
         draft_vocab = draft.config.draft_vocab_size if draft is not None else None
         self.state = DecodeState.empty(slots, self.k, draft_vocab, self.device)
         self.sampling = SamplingTensors(

@@ -14,6 +14,8 @@ from redline.layers.linear import Linear
 from redline.layers.norm import rms_normalize
 from redline.layers.rotary import Rotary
 
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
 
 @dataclass
 class AttentionBatch:
@@ -141,4 +143,6 @@ class Attention(nn.Module):
         rows = torch.arange(b, device=k.device)[:, None]  # [B, 1] pairs with positions [B, T]
         for store, new in zip(cache, (k, v), strict=True):
             mine = store[batch.slot_start : batch.slot_start + b]  # [B, kv_heads, max_len, head_dim] view
+            if store.dtype == torch.float8_e4m3fn:  # FP8 cache (scale 1): saturate, e4m3 has no infinity
+                new = new.clamp(-FP8_MAX, FP8_MAX)
             mine.transpose(1, 2)[rows, batch.positions] = new.to(store.dtype)
