@@ -107,8 +107,8 @@ def test_moe_top1(dtype, n, e, h, i):
 
 
 def test_engine_with_triton_attention_matches_sdpa(tmp_path, tokenizer_dir):
-    """Greedy decoding of a Llama 4 model (chunked attention, chunk 24) with speculation: the Triton
-    split-KV kernel in every cached attention gives the SDPA path's tokens."""
+    """Greedy decoding of a Llama 4 model (chunked attention, chunk 24, MoE) with speculation: the
+    Triton split-KV attention and fused residual + RMSNorm give the torch path's tokens."""
     from conftest import build_hf_model, llama4_hf_config, save_hf_model
 
     from redline import LLM, SamplingParams
@@ -127,6 +127,7 @@ def test_engine_with_triton_attention_matches_sdpa(tmp_path, tokenizer_dir):
     expected = [c.token_ids for c in llm.generate(prompts, params)]
     select_kernels(llm.model, True)
     select_kernels(llm.draft, True)
+    assert all(layer.add_norm is not None for layer in llm.model.model.layers)
     assert [c.token_ids for c in llm.generate(prompts, params)] == expected
 
 

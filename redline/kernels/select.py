@@ -9,6 +9,8 @@ from torch import nn
 
 from redline.kernels import HAS_TRITON
 from redline.layers.attention import Attention
+from redline.layers.norm import RMSNorm
+from redline.models.llama import DecoderLayer
 
 
 def triton_by_default(device: torch.device) -> bool:
@@ -20,14 +22,32 @@ def pdl_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+def fused_add_norm(
+    attended: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+) -> tuple[torch.Tensor, torch.Tensor]:  # [..., H] each -> (normed, residual + attended)
+    from redline.kernels.rms_norm import add_rms_norm
+
+    shape = attended.shape
+    out, total, _ = add_rms_norm(
+        attended.reshape(-1, shape[-1]).contiguous(),
+        residual.reshape(-1, shape[-1]).contiguous(),
+        norm.weight,
+        norm.eps,
+    )
+    return out.view(shape), total.view(shape)
+
+
 def select_kernels(model: nn.Module, triton: bool, pdl: bool = False) -> None:
-    """Cached attention through the Triton split-KV kernel (triton=True, launched with programmatic
-    dependent launch when pdl) or SDPA over the cache slice."""
-    kernel = None
+    """With triton: cached attention through the split-KV kernel (launched with programmatic dependent
+    launch when pdl) and the residual add + post-attention RMSNorm fused; else SDPA and torch ops."""
+    attention = add_norm = None
     if triton:
         from redline.kernels.decode_attention import decode_attention
 
-        kernel = functools.partial(decode_attention, pdl=pdl)
+        attention = functools.partial(decode_attention, pdl=pdl)
+        add_norm = fused_add_norm
     for module in model.modules():
         if isinstance(module, Attention):
-            module.split_kv = kernel
+            module.split_kv = attention
+        elif isinstance(module, DecoderLayer):
+            module.add_norm = add_norm

@@ -6,6 +6,8 @@ Llama 4's `feed_forward` is called `mlp` here; the loader maps the names.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -33,10 +35,20 @@ class DecoderLayer(nn.Module):
             )
         else:
             self.mlp = MLP(h, config.intermediate_size, bias=config.mlp_bias)
+        # (attention output, residual, norm) -> (normed, new residual); kernels.select sets the fused one
+        self.add_norm: (
+            Callable[[torch.Tensor, torch.Tensor, RMSNorm], tuple[torch.Tensor, torch.Tensor]] | None
+        )
+        self.add_norm = None
 
     def forward(self, x: torch.Tensor, batch: AttentionBatch, cache: KVLayer | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attended = self.self_attn(self.input_layernorm(x), batch, cache)
+        if self.add_norm is not None:
+            normed, x = self.add_norm(attended, x, self.post_attention_layernorm)
+        else:
+            x = x + attended
+            normed = self.post_attention_layernorm(x)
+        return x + self.mlp(normed)
 
 
 class Decoder(nn.Module):
