@@ -15,7 +15,7 @@ def table(result: dict) -> str:
     plain = next(r for r in runs if r["engine"] == "redline")["tps_user_median"]
     hf = next((r["tps_user_median"] for r in runs if r["engine"] == "hf"), None)
     head = f"{'engine':<20}{'tok/s median':>13}{'min':>8}{'max':>8}{'TTFT ms':>9}{'accept':>8}{'draft %':>8}"
-    head += f"{'x plain':>8}" + (f"{'x hf':>7}" if hf else "") + f"{'warmup s':>9}"
+    head += f"{'x plain':>8}" + (f"{'x hf':>7}" if hf else "") + f"{'warmup s':>9}  per-position acceptance"
     lines = [head]
     for r in runs:
         accept = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else "-"
@@ -26,7 +26,8 @@ def table(result: dict) -> str:
         )
         if hf:
             line += f"{r['tps_user_median'] / hf:>7.2f}"
-        lines.append(line + f"{r['warmup_s']:>9.1f}")
+        rates = "/".join(f"{a:.2f}" for a in r["acceptance_rates"] or [])
+        lines.append(line + f"{r['warmup_s']:>9.1f}  {rates or '-'}")
     return "\n".join(lines)
 
 
