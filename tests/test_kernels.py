@@ -108,11 +108,13 @@ def test_moe_top1(dtype, n, e, h, i):
 
 def test_engine_with_triton_attention_matches_sdpa(tmp_path, tokenizer_dir):
     """Greedy decoding of a Llama 4 model (chunked attention, chunk 24, MoE) with speculation: the
-    Triton split-KV attention and fused residual + RMSNorm give the torch path's tokens."""
+    Triton split-KV attention, fused residual + RMSNorm and fused gate/up + SwiGLU give the torch
+    path's tokens."""
     from conftest import build_hf_model, llama4_hf_config, save_hf_model
 
     from redline import LLM, SamplingParams
     from redline.kernels.select import select_kernels
+    from redline.layers.mlp import MLP
     from redline.models.random_init import write_random_draft
 
     target = save_hf_model(build_hf_model(llama4_hf_config(), seed=4), tmp_path / "t", tokenizer_dir)
@@ -128,6 +130,10 @@ def test_engine_with_triton_attention_matches_sdpa(tmp_path, tokenizer_dir):
     select_kernels(llm.model, True)
     select_kernels(llm.draft, True)
     assert all(layer.add_norm is not None for layer in llm.model.model.layers)
+    mlps = [m for m in llm.model.modules() if isinstance(m, MLP)]
+    assert mlps and all(m.swiglu is not None for m in mlps)
+    gate = mlps[0].gate_proj.weight
+    assert gate.data_ptr() == mlps[0].gate_up_weight.data_ptr()  # a view: no second copy
     assert [c.token_ids for c in llm.generate(prompts, params)] == expected
 
 

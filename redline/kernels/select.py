@@ -9,6 +9,7 @@ from torch import nn
 
 from redline.kernels import HAS_TRITON
 from redline.layers.attention import Attention
+from redline.layers.mlp import MLP
 from redline.layers.norm import RMSNorm
 from redline.models.llama import DecoderLayer
 
@@ -39,10 +40,12 @@ def fused_add_norm(
 
 def select_kernels(model: nn.Module, triton: bool, pdl: bool = False) -> None:
     """With triton: cached attention through the split-KV kernel (launched with programmatic dependent
-    launch when pdl) and the residual add + post-attention RMSNorm fused; else SDPA and torch ops."""
-    attention = add_norm = None
+    launch when pdl), the residual add + post-attention RMSNorm fused, and dense MLPs as one gate/up
+    GEMM + the SwiGLU kernel; else SDPA and torch ops."""
+    attention = add_norm = swiglu = None
     if triton:
         from redline.kernels.decode_attention import decode_attention
+        from redline.kernels.swiglu import swiglu
 
         attention = functools.partial(decode_attention, pdl=pdl)
         add_norm = fused_add_norm
@@ -51,3 +54,5 @@ def select_kernels(model: nn.Module, triton: bool, pdl: bool = False) -> None:
             module.split_kv = attention
         elif isinstance(module, DecoderLayer):
             module.add_norm = add_norm
+        elif isinstance(module, MLP):
+            module.swiglu = swiglu if swiglu is not None and module.fuse_gate_up() else None
