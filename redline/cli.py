@@ -206,7 +206,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from redline.evaluate.tasks import load_tasks
     from redline.train import data
 
-    configs = [EvalConfig(args.dtype, args.model, *_mode(args.dtype))]
+    configs = [EvalConfig(args.dtype, args.model, args.dtype)]
     configs += [parse_config(spec, configs[0]) for spec in args.compare]
     texts = data.load_texts(args.text) if args.text else data.split_stdlib()[1]
     rows = evaluate(configs, load_tasks(args.data), texts, args.windows, device=args.device)
@@ -215,12 +215,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
-
-
-def _mode(dtype: str) -> tuple[str, str | None]:
-    from redline.evaluate.run import MODES
-
-    return MODES.get(dtype, (dtype, None))
 
 
 def build_parser() -> argparse.ArgumentParser:

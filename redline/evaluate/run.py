@@ -21,15 +21,14 @@ from redline.sampling import SamplingParams
 from redline.tokenizer import Tokenizer
 from redline.train import data
 
-MODES = {"bf16": ("bfloat16", None), "fp32": ("float32", None), "fp8": ("bfloat16", "fp8")}
+MODES = ("bf16", "fp32", "fp16", "fp8")  # LLM dtypes; "fp8" is bf16 activations with FP8 weights
 
 
 @dataclass(frozen=True)
 class EvalConfig:
     name: str
     model_dir: Path
-    dtype: str
-    quantization: str | None = None
+    dtype: str  # an LLM dtype: "bf16", "fp32", "fp8", ...
     draft: Path | None = None
 
 
@@ -37,11 +36,9 @@ def parse_config(spec: str, base: EvalConfig) -> EvalConfig:
     """'fp8' | 'bf16' | 'fp32': the base model in that mode; 'spec:DIR': the base with that EAGLE-3
     draft; else a checkpoint directory in the base's dtype (FP8 checkpoints load as FP8)."""
     if spec in MODES:
-        return EvalConfig(spec, base.model_dir, *MODES[spec])
+        return EvalConfig(spec, base.model_dir, spec)
     if spec.startswith("spec:"):
-        return EvalConfig(
-            f"{base.name}+eagle3", base.model_dir, base.dtype, base.quantization, Path(spec[5:])
-        )
+        return EvalConfig(f"{base.name}+eagle3", base.model_dir, base.dtype, Path(spec[5:]))
     path = Path(spec)
     if not path.is_dir():
         modes = ", ".join(MODES)
@@ -75,14 +72,7 @@ def evaluate(
 ) -> list[dict]:
     rows, base_lp, base_tokens = [], None, None
     for config in configs:
-        llm = LLM(
-            config.model_dir,
-            dtype=config.dtype,
-            device=device,
-            max_batch=8,
-            quantization=config.quantization,
-            draft=config.draft,
-        )
+        llm = LLM(config.model_dir, dtype=config.dtype, device=device, max_batch=8, draft=config.draft)
         samples = text_windows(llm.tokenizer, texts, window_len, windows)
         lp = log_probs(llm, samples)
         nll = [

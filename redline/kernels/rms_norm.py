@@ -11,8 +11,6 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0
-
 
 def add_rms_norm_reference(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -20,11 +18,6 @@ def add_rms_norm_reference(
     total = x.float() if residual is None else x.float() + residual.float()
     out = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
     return out.to(x.dtype), total.to(x.dtype)
-
-
-def quantize_rows_reference(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [M, N] -> q, s [M, 1]
-    scale = (out.float().abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
-    return (out.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
 @triton.jit

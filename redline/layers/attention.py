@@ -13,8 +13,7 @@ from redline.config import ModelConfig
 from redline.layers.linear import Linear
 from redline.layers.norm import rms_normalize
 from redline.layers.rotary import Rotary
-
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+from redline.quant.fp8 import FP8, FP8_MAX
 
 
 @dataclass
@@ -77,7 +76,7 @@ class Attention(nn.Module):
         self.chunked = config.is_chunked_layer(layer)
         self.qk_norm_eps = config.rms_norm_eps if (config.use_qk_norm and self.use_rope) else None
         self.temperature_tuning = config.attn_temperature_tuning and not self.use_rope
-        self.chunk_size = config.attention_chunk_size or 0
+        self.chunk = config.attention_chunk_size if self.chunked else 0  # for the split-KV kernel
         # cached attention kernel: None = SDPA over the cache slice; kernels.select sets the Triton one
         self.split_kv: Callable[..., torch.Tensor] | None = None
 
@@ -93,8 +92,7 @@ class Attention(nn.Module):
         else:
             self._write(cache, k, v, batch)
             if self.split_kv is not None:  # the Triton split-KV kernel reads the cache itself
-                chunk = self.chunk_size if self.chunked else 0
-                out = self.split_kv(q, *cache, batch.positions, batch.slot_start, batch.kv_len, chunk)
+                out = self.split_kv(q, *cache, batch.positions, batch.slot_start, batch.kv_len, self.chunk)
                 return self.o_proj(out.reshape(*x.shape[:2], -1))
             keys, values = (
                 c[batch.slot_start : batch.slot_start + x.shape[0], :, : batch.kv_len].to(k.dtype)
@@ -143,6 +141,6 @@ class Attention(nn.Module):
         rows = torch.arange(b, device=k.device)[:, None]  # [B, 1] pairs with positions [B, T]
         for store, new in zip(cache, (k, v), strict=True):
             mine = store[batch.slot_start : batch.slot_start + b]  # [B, kv_heads, max_len, head_dim] view
-            if store.dtype == torch.float8_e4m3fn:  # FP8 cache (scale 1): saturate, e4m3 has no infinity
+            if store.dtype == FP8:  # FP8 cache (scale 1): saturate, e4m3 has no infinity
                 new = new.clamp(-FP8_MAX, FP8_MAX)
             mine.transpose(1, 2)[rows, batch.positions] = new.to(store.dtype)

@@ -21,7 +21,7 @@ class MLP(nn.Module):
         self.swiglu: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., hidden]
-        if self.swiglu is not None and self.gate_up_weight is not None:
+        if self.swiglu is not None:  # set only once gate_up_weight exists
             gate_up = F.linear(x.reshape(-1, x.shape[-1]), self.gate_up_weight)  # [M, 2 * inter]
             return self.down_proj(self.swiglu(gate_up).view(*x.shape[:-1], -1))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
