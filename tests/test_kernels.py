@@ -108,17 +108,19 @@ def test_moe_top1(dtype, n, e, h, i):
 
 
 def test_engine_with_triton_attention_matches_sdpa(tmp_path, tokenizer_dir):
-    """Greedy decoding of a Llama 4 model (chunked attention, chunk 24, MoE) with speculation: the
-    Triton split-KV attention, fused residual + RMSNorm and fused gate/up + SwiGLU give the torch
-    path's tokens."""
+    """Greedy decoding of a Llama 4 model (chunked attention, chunk 24, top-1 MoE over 8 experts, so a
+    step's 2 x 3 tokens take the few-token path) with speculation: the Triton split-KV attention, fused
+    residual + RMSNorm, fused gate/up + SwiGLU and top-1 MoE dispatch give the torch path's tokens."""
     from conftest import build_hf_model, llama4_hf_config, save_hf_model
 
     from redline import LLM, SamplingParams
     from redline.kernels.select import select_kernels
     from redline.layers.mlp import MLP
+    from redline.layers.moe import MoE
     from redline.models.random_init import write_random_draft
 
-    target = save_hf_model(build_hf_model(llama4_hf_config(), seed=4), tmp_path / "t", tokenizer_dir)
+    config = llama4_hf_config(num_local_experts=8)
+    target = save_hf_model(build_hf_model(config, seed=4), tmp_path / "t", tokenizer_dir)
     draft = write_random_draft(target, tmp_path / "d")
     llm = LLM(
         target, dtype="float32", device=DEVICE, max_batch=2, max_seq_len=64, draft=draft, num_draft_tokens=2
@@ -133,6 +135,8 @@ def test_engine_with_triton_attention_matches_sdpa(tmp_path, tokenizer_dir):
     assert all(layer.add_norm is not None for layer in llm.model.model.layers)
     mlps = [m for m in llm.model.modules() if isinstance(m, MLP)]
     assert mlps and all(m.swiglu is not None for m in mlps)
+    moes = [m for m in llm.model.modules() if isinstance(m, MoE)]
+    assert moes and all(m.top1 is not None for m in moes)
     gate = mlps[0].gate_proj.weight
     assert gate.data_ptr() == mlps[0].gate_up_weight.data_ptr()  # a view: no second copy
     assert [c.token_ids for c in llm.generate(prompts, params)] == expected

@@ -10,6 +10,7 @@ from torch import nn
 from redline.kernels import HAS_TRITON
 from redline.layers.attention import Attention
 from redline.layers.mlp import MLP
+from redline.layers.moe import Experts, MoE
 from redline.layers.norm import RMSNorm
 from redline.models.llama import DecoderLayer
 
@@ -41,10 +42,12 @@ def fused_add_norm(
 def select_kernels(model: nn.Module, triton: bool, pdl: bool = False) -> None:
     """With triton: cached attention through the split-KV kernel (launched with programmatic dependent
     launch when pdl), the residual add + post-attention RMSNorm fused, and dense MLPs as one gate/up
-    GEMM + the SwiGLU kernel; else SDPA and torch ops."""
-    attention = add_norm = swiglu = None
+    GEMM + the SwiGLU kernel, and top-1 MoE layers through the dispatch kernel that reads only the chosen
+    experts' weights; else SDPA and torch ops."""
+    attention = add_norm = swiglu = top1 = None
     if triton:
         from redline.kernels.decode_attention import decode_attention
+        from redline.kernels.moe_top1 import moe_top1 as top1
         from redline.kernels.swiglu import swiglu
 
         attention = functools.partial(decode_attention, pdl=pdl)
@@ -56,3 +59,6 @@ def select_kernels(model: nn.Module, triton: bool, pdl: bool = False) -> None:
             module.add_norm = add_norm
         elif isinstance(module, MLP):
             module.swiglu = swiglu if swiglu is not None and module.fuse_gate_up() else None
+        elif isinstance(module, MoE):
+            plain = module.top_k == 1 and type(module.experts) is Experts  # not FP8 experts
+            module.top1 = top1 if plain else None

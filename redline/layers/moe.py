@@ -1,5 +1,7 @@
 """Llama 4 mixture of experts: top-k sigmoid router, routing weight on the expert input, shared expert."""
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,6 +39,9 @@ class MoE(nn.Module):
         self.router = Linear(hidden, num_experts, bias=False)
         self.experts = Experts(num_experts, hidden, inter)
         self.shared_expert = MLP(hidden, inter)
+        # kernels.select may set a top-1 dispatch kernel for few tokens:
+        # (x [N, H], expert [N], weight [N], gate_up [E, H, 2I], down [E, I, H]) -> [N, H]
+        self.top1: Callable[..., torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., hidden]
         shape = x.shape
@@ -44,7 +49,10 @@ class MoE(nn.Module):
         top_logit, top_expert = torch.topk(self.router(x), self.top_k, dim=-1)  # [N, k]
         weight = torch.sigmoid(top_logit.float()).to(x.dtype)
         n = x.shape[0]
-        if n * self.top_k <= self.num_experts:
+        if n * self.top_k <= self.num_experts and self.top1 is not None:  # set only when top_k == 1
+            experts = self.experts
+            routed = self.top1(x, top_expert[:, 0], weight[:, 0], experts.gate_up_proj, experts.down_proj)
+        elif n * self.top_k <= self.num_experts:
             # Few tokens (decode): gather the chosen experts' weights; row r*k + j is token r's j-th choice.
             routed_in = x.repeat_interleave(self.top_k, dim=0) * weight.reshape(-1, 1)
             routed = self.experts.forward_selected(routed_in, top_expert.reshape(-1))
