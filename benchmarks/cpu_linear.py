@@ -5,9 +5,11 @@
 Every candidate computes y = x @ W^T for x [M, K], M in {1, 4} (plain decode, K=3 verify). Eight
 copies of each weight are cycled so the small shapes are read from memory, not cache. GB/s counts
 weight bytes in the candidate's own storage (bf16 2, fp32 4, int8 1 per weight); "ms" is what
-decides the choice. Candidates: bf16 F.linear; fp32 W @ x^T (layers/linear.py's few-row path); int8
-weights with per-channel scales through torch._weight_int8pack_mm (lossy: for reference). oneDNN's
-bf16 linear needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT, which this machine does not expose.
+decides the choice. Candidates: bf16 F.linear; bf16 `streamed_rows` compiled by inductor (the few-row
+path of compiled steps, layers/linear.py); fp32 W @ x^T (the eager and compiled fp32 few-row path);
+fp32 `streamed_rows` compiled; int8 weights with per-channel scales through torch._weight_int8pack_mm
+(lossy: for reference). oneDNN's bf16 linear needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT, which this
+machine does not expose.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import time
 
 import torch
 
+from redline.layers.linear import streamed_rows
+
 SHAPES = [(2816, 512), (512, 1408), (2048, 256), (4096, 4096), (14336, 4096)]
 
 
@@ -27,6 +31,11 @@ def bf16_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tens
 
 def fp32_weight_times_xt(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.mm(w, x.t()) for w in weights]
+
+
+@functools.partial(torch.compile, dynamic=False)
+def compiled_streamed(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [streamed_rows(x, w) for w in weights]
 
 
 def int8_pack(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -48,10 +57,10 @@ def main() -> None:
     parser.add_argument("--roofline-gbps", type=float, default=36.0, help="measured memory bandwidth")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    torch._dynamo.config.recompile_limit = 64  # one graph per shape and M
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, roofline {args.roofline_gbps} GB/s")
-    print(
-        f"{'N x K':>12}{'M':>3}  " + "".join(f"{c:>24}" for c in ("bf16 linear", "fp32 W@x^T", "int8 pack"))
-    )
+    names = ("bf16 linear", "bf16 streamed", "fp32 W@x^T", "fp32 streamed", "int8 pack")
+    print(f"{'N x K':>12}{'M':>3}  " + "".join(f"{c:>24}" for c in names))
     for n, k in SHAPES:
         copies = 8 if n * k < 4_000_000 else 2
         weights = [torch.randn(n, k) * 0.02 for _ in range(copies)]
@@ -63,7 +72,9 @@ def main() -> None:
             xb = torch.randn(m, k).bfloat16()
             candidates = [
                 (functools.partial(bf16_linear, xb, bf16), 2),
+                (functools.partial(compiled_streamed, xb, bf16), 2),
                 (functools.partial(fp32_weight_times_xt, xb.float(), weights), 4),
+                (functools.partial(compiled_streamed, xb.float(), weights), 4),
                 (functools.partial(int8_pack, xb, int8, scales), 1),
             ]
             cells = []

@@ -10,9 +10,11 @@ second); the model's vocab is set to the trained tokenizer's actual size. Prompt
 Decode tok/s is per user over the decode phase, (N - 1) / (t_last - t_first), for both engines:
 redline's `Completion.tokens_per_s`; for HF a streamer timestamps each token as `generate` emits it.
 Weight bytes per token = every parameter except the embedding table (one row of it is read);
-KV-cache reads are left out. GB/s = weight bytes per token x tokens/s.
+KV-cache reads are left out. GB/s = weight bytes per token x tokens/s; "roofline" divides it by the
+read bandwidth measured on this machine just before (machine.read_bandwidth_gbps). `--compile` runs
+redline's compiled step (the warm-up, compile included, is timed and printed); HF stays eager.
 
-    .venv/bin/python benchmarks/decode_baseline.py [--dtype float32] [--threads 2] [--repeats 5]
+    .venv/bin/python benchmarks/decode_baseline.py [--dtype float32] [--compile] [--threads 2] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from redline import LLM, SamplingParams
 from redline.benchmark.hf import run_hf
-from redline.benchmark.machine import busy_cores, cpu_model
+from redline.benchmark.machine import busy_cores, cpu_model, read_bandwidth_gbps
+from redline.models.random_init import llama3_config
 from redline.train.bpe import train_bpe_tokenizer
 from redline.train.data import stdlib_texts
 
@@ -43,20 +46,14 @@ def build_checkpoint(out_dir: Path, args: argparse.Namespace) -> tuple[int, int]
     """Tokenizer + random Llama checkpoint in `out_dir`; returns (parameter count, weight bytes per token)."""
     train_bpe_tokenizer(stdlib_texts(max_files=1000, max_chars=200_000), args.vocab, out_dir)
     vocab = len(json.loads((out_dir / "tokenizer.json").read_text())["model"]["vocab"])
-    config = LlamaConfig(
-        vocab_size=vocab,
+    shape = dict(
         hidden_size=args.hidden,
         intermediate_size=args.intermediate,
         num_hidden_layers=args.layers,
         num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-5,
-        initializer_range=0.02,
-        tie_word_embeddings=False,
-        bos_token_id=0,
-        eos_token_id=4,
     )
+    config = LlamaConfig(**llama3_config(vocab, **shape, tie_word_embeddings=False, initializer_range=0.02))
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(DTYPES[args.dtype])
     model.save_pretrained(out_dir, safe_serialization=True)
@@ -99,6 +96,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--compile", action="store_true", help="redline's compiled step (HF stays eager)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -118,13 +116,20 @@ def main() -> None:
         hf.generation_config.eos_token_id = None
         hf_result = bench(lambda: run_hf(hf, prompt, n), args.warmup, args.repeats)
 
-        llm = LLM(model_dir, dtype=args.dtype, max_batch=1, max_seq_len=args.prompt_len + n)
+        max_len = args.prompt_len + n
+        llm = LLM(model_dir, dtype=args.dtype, max_batch=1, max_seq_len=max_len, compile=args.compile)
+        start = time.perf_counter()
         rl_result = bench(lambda: run_redline(llm, prompt, n), args.warmup, args.repeats)
+        if args.compile:
+            elapsed = time.perf_counter() - start
+            print(f"redline warm-up and compile: {elapsed:.1f} s including the timed runs")
+    bandwidth = read_bandwidth_gbps()
 
     machine = (
         f"{cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, transformers "
         f"{transformers.__version__}, threads {torch.get_num_threads()}, {args.dtype}, "
-        f"{time.strftime('%Y-%m-%d %H:%M')}, other load at start {busy:.2f} cores"
+        f"{time.strftime('%Y-%m-%d %H:%M')}, other load at start {busy:.2f} cores, "
+        f"read bandwidth {bandwidth:.1f} GB/s"
     )
     print(f"machine: {machine}")
     print(
@@ -134,28 +139,31 @@ def main() -> None:
         f"weight bytes per token {weight_bytes / 1e6:.1f} MB"
     )
     print(f"batch 1, prompt {args.prompt_len} tokens, {n} new tokens, greedy, {args.repeats} repeats")
-    print(f"{'engine':<14}{'tok/s median':>14}{'min':>9}{'max':>9}{'ms/token':>10}{'GB/s':>8}{'TTFT ms':>10}")
+    redline_name = "redline compiled" if args.compile else "redline"
+    header = f"{'engine':<18}{'tok/s median':>14}{'min':>9}{'max':>9}{'ms/token':>10}{'GB/s':>8}"
+    print(header + f"{'roofline':>10}{'TTFT ms':>10}")
     results = {}
-    for name, (tokens, ttfts, rates) in (("hf generate", hf_result), ("redline", rl_result)):
+    for name, (tokens, ttfts, rates) in (("hf generate", hf_result), (redline_name, rl_result)):
         median = statistics.median(rates)
         gbps = weight_bytes * median / 1e9
         ttft_ms = statistics.median(ttfts) * 1e3
         print(
-            f"{name:<14}{median:>14.1f}{min(rates):>9.1f}{max(rates):>9.1f}"
-            f"{1e3 / median:>10.2f}{gbps:>8.2f}{ttft_ms:>10.1f}"
+            f"{name:<18}{median:>14.1f}{min(rates):>9.1f}{max(rates):>9.1f}"
+            f"{1e3 / median:>10.2f}{gbps:>8.2f}{gbps / bandwidth:>10.0%}{ttft_ms:>10.1f}"
         )
         results[name] = dict(
             tok_s_median=median, tok_s_min=min(rates), tok_s_max=max(rates), tok_s_all=rates,
-            gb_s=gbps, ttft_ms_median=ttft_ms, tokens=tokens,
+            gb_s=gbps, roofline=gbps / bandwidth, ttft_ms_median=ttft_ms, tokens=tokens,
         )  # fmt: skip
     hf_tokens, rl_tokens = hf_result[0], rl_result[0]
     equal = next((i for i, (a, b) in enumerate(zip(hf_tokens, rl_tokens, strict=False)) if a != b), n)
-    speedup = results["redline"]["tok_s_median"] / results["hf generate"]["tok_s_median"]
+    speedup = results[redline_name]["tok_s_median"] / results["hf generate"]["tok_s_median"]
     print(f"redline / hf decode speed: {speedup:.2f}x")
     print(f"greedy tokens: {equal} of {n} leading tokens equal between redline and hf")
     if args.json:
         report = dict(
-            machine=machine, dtype=args.dtype, threads=torch.get_num_threads(), params=params, vocab=vocab,
+            machine=machine, dtype=args.dtype, compile=args.compile, read_bandwidth_gbps=bandwidth,
+            threads=torch.get_num_threads(), params=params, vocab=vocab,
             weight_bytes_per_token=weight_bytes, prompt_len=args.prompt_len, max_tokens=n,
             repeats=args.repeats, leading_equal_tokens=equal, results=results,
         )  # fmt: skip

@@ -35,6 +35,18 @@ def busy_cores(seconds: float = 0.5) -> float:
     return (os.cpu_count() or 1) * (busy1 - busy0) / max(1, busy1 - busy0 + idle1 - idle0)
 
 
+def read_bandwidth_gbps(megabytes: int = 256, repeats: int = 10) -> float:
+    """Memory read bandwidth as torch sees it: the best of `repeats` fp32 sums over a buffer far larger
+    than the caches (what a weight-streaming decode can at most reach on this machine and thread count)."""
+    buffer = torch.ones(megabytes * 2**20 // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return buffer.nbytes / best / 1e9
+
+
 def describe(device: str = "cpu") -> dict:
     info = {
         "cpu": cpu_model(),

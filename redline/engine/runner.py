@@ -11,8 +11,9 @@ from collections.abc import Callable
 import torch
 
 from redline.engine.cuda_graphs import GraphedStep
+from redline.engine.guard_skipping import GuardSkippingStep
 from redline.engine.kv_cache import KVCache
-from redline.kernels.select import pdl_supported, select_kernels, triton_by_default
+from redline.kernels.select import pdl_supported, select_cpu_paths, select_kernels, triton_by_default
 from redline.models.eagle3 import Eagle3Draft
 from redline.models.llama import LlamaForCausalLM
 from redline.sampling import SamplingParams, SamplingTensors, select_tokens
@@ -49,6 +50,7 @@ class ModelRunner:
         for module in (model, draft):
             if module is not None:
                 select_kernels(module, triton_by_default(self.device), pdl)
+                select_cpu_paths(module, compile)
         # writes reach pos + K (target) and pos + 2K - 1 (draft chain) beyond the last real token
         self.cache_len = max_len + 2 * self.k + 1
         kv_dtype = kv_cache_dtype or param.dtype
@@ -70,7 +72,7 @@ class ModelRunner:
         if compile:
             # one graph per (batch bucket, kv bucket, sampling): up to ~4 x 8 x 2 shapes
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            run = torch.compile(run, fullgraph=True, dynamic=False)
+            run = GuardSkippingStep(torch.compile(run, fullgraph=True, dynamic=False))
         if self.device.type == "cuda":
             run = GraphedStep(run, self.state)
         self._run_step = run

@@ -9,9 +9,11 @@ from torch import nn
 
 from redline.kernels import HAS_TRITON
 from redline.layers.attention import Attention
+from redline.layers.linear import Linear, streamed_rows, weight_times_xt
 from redline.layers.mlp import MLP
 from redline.layers.moe import Experts, MoE
 from redline.layers.norm import RMSNorm
+from redline.layers.reduced_attention import attention_by_reductions, sdpa_attention
 from redline.models.llama import DecoderLayer
 
 
@@ -22,6 +24,24 @@ def triton_by_default(device: torch.device) -> bool:
 def pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch: Hopper (compute capability 9.0) and newer."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def select_cpu_paths(model: nn.Module, compiled: bool) -> None:
+    """Few-row products on CPU (layers/linear.py): fp32 weights as W @ x^T; bf16/fp16 weights, when the
+    step is compiled, as the streamed loop inductor generates. Elsewhere F.linear. Attention of a
+    compiled step on CPU as reductions inductor fuses (layers/reduced_attention.py), else SDPA."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            on_cpu = next(module.parameters()).is_cpu
+            module.core = attention_by_reductions if on_cpu and compiled else sdpa_attention
+        if isinstance(module, Linear):
+            weight = module.weight
+            product = None
+            if weight.is_cpu and weight.dtype == torch.float32:
+                product = weight_times_xt
+            elif weight.is_cpu and weight.dtype in (torch.bfloat16, torch.float16) and compiled:
+                product = streamed_rows
+            module.few_rows = product
 
 
 def fused_add_norm(

@@ -6,12 +6,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from redline.config import ModelConfig
 from redline.layers.linear import Linear
 from redline.layers.norm import rms_normalize
+from redline.layers.reduced_attention import sdpa_attention
 from redline.layers.rotary import Rotary
 from redline.quant.fp8 import FP8, FP8_MAX
 
@@ -79,6 +79,9 @@ class Attention(nn.Module):
         self.chunk = config.attention_chunk_size if self.chunked else 0  # for the split-KV kernel
         # cached attention kernel: None = SDPA over the cache slice; kernels.select sets the Triton one
         self.split_kv: Callable[..., torch.Tensor] | None = None
+        # (q [B, T, Hq, D], keys, values [B, Hkv, S, D], mask [B or 1, 1, T, S]) -> [B, T, Hq, D];
+        # kernels.select sets layers/reduced_attention.py's form for compiled steps on CPU
+        self.core: Callable[..., torch.Tensor] = sdpa_attention
 
     def forward(
         self,
@@ -126,8 +129,7 @@ class Attention(nn.Module):
         mask: torch.Tensor,  # [B or 1, 1, T, S] bool, True = attend
     ) -> torch.Tensor:  # [B, T, hidden]
         b, t = q.shape[:2]
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return self.o_proj(self.core(q, keys, values, mask).reshape(b, t, -1))
 
     @staticmethod
     def _write(

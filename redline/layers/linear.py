@@ -1,27 +1,50 @@
-"""nn.Linear with a faster product for the few rows of a decode step on CPU.
+"""nn.Linear with a faster product for the few rows of a decode step on CPU, chosen once per layer.
 
-torch's CPU fp32 GEMM packs the weight for every call, so x[M, K] @ W[N, K]^T costs about M times the
-M = 1 product for M = 2..8: a K = 3 verify step (M = 4) would cost three plain steps. Computed as
-W @ x^T ([N, K] @ [K, M] -> [N, M], transposed back as a view), the same product streams W once and
-costs about what M = 1 does (benchmarks/compiled_step.py; BENCHMARKS.md). bf16 is the other way round
-on the same machine, so it keeps the default path.
+torch's CPU GEMMs are slow for 1-8 rows (BENCHMARKS.md "Few-row linears"): the fp32 GEMM packs the
+weight on every call, so x[M, K] @ W[N, K]^T costs about M times the M = 1 product, and without
+AVX-512 the bf16 product is a loop over rows that reads W once per row. Two products stream W once:
+
+- `weight_times_xt`, fp32 weights in eager or compiled code: W @ x^T ([N, K] @ [K, M] -> [N, M],
+  transposed back as a view) costs about what M = 1 does;
+- `streamed_rows`, bf16/fp16 weights inside torch.compile: inductor fuses the upcast, the M products
+  and the M row sums into one C++ loop over W's rows, which loads each 16-weight vector once, converts
+  it to fp32 and accumulates it against every x row. Eager torch would materialize W in fp32, so
+  outside a compiled graph it is F.linear.
+
+`kernels.select.select_linears` sets `Linear.few_rows` per layer when the runner is built.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 FEW_ROWS = 8
 
 
+def weight_times_xt(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [M, K], [N, K] -> [M, N]
+    return torch.mm(weight, x.t()).t()
+
+
+def streamed_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [M, K], [N, K] -> [M, N]
+    if not torch.compiler.is_compiling():
+        return F.linear(x, weight)
+    w = weight.float()  # fused into the loop by inductor: never materialized
+    return torch.stack([(w * row.float()).sum(-1) for row in x.unbind(0)]).to(x.dtype)
+
+
 class Linear(nn.Linear):
+    # (x [M <= FEW_ROWS, in_features], weight) -> [M, out_features]; None: F.linear for every M
+    few_rows: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in_features]
         rows = x.numel() // self.in_features
-        if rows > FEW_ROWS or not self.weight.is_cpu or self.weight.dtype != torch.float32:
+        if self.few_rows is None or rows > FEW_ROWS:
             return super().forward(x)
-        flat = x.reshape(rows, self.in_features)
-        y = torch.mm(self.weight, flat.t()).t()  # [rows, out_features]
+        y = self.few_rows(x.reshape(rows, self.in_features), self.weight)  # [rows, out_features]
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -1,0 +1,48 @@
+"""Attention for the few queries of a decode step, written as reductions for inductor on CPU.
+
+SDPA's CPU kernel costs ~100 us per call for one query over 64 keys (BENCHMARKS.md "Compiled bf16
+decode"), more than the layer's weights take to stream. Written as broadcast products and sums,
+inductor fuses scores, mask, softmax and the weighted sum into loops inside the step's one C++
+kernel. Eager torch would materialize the [B, Hkv, G, T, S, D] products, so outside a compiled graph
+this is SDPA, and so are forwards of more than FEW_QUERIES queries (prefill), where SDPA's
+flash kernel is the faster.
+
+GQA by grouping: query head h reads kv head h // G (G = Hq / Hkv), so q [B, T, Hq, D] is viewed as
+[B, T, Hkv, G, D] and permuted to [B, Hkv, G, T, D]. Example: Hq = 8, Hkv = 2, G = 4: query heads 0-3
+read kv head 0, 4-7 read kv head 1.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FEW_QUERIES = 8
+
+
+def sdpa_attention(
+    q: torch.Tensor,  # [B, T, Hq, D]
+    keys: torch.Tensor,  # [B, Hkv, S, D]
+    values: torch.Tensor,  # [B, Hkv, S, D]
+    mask: torch.Tensor,  # [B or 1, 1, T, S] bool, True = attend
+) -> torch.Tensor:  # [B, T, Hq, D]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+def attention_by_reductions(
+    q: torch.Tensor,  # [B, T, Hq, D]
+    keys: torch.Tensor,  # [B, Hkv, S, D]
+    values: torch.Tensor,  # [B, Hkv, S, D]
+    mask: torch.Tensor,  # [B or 1, 1, T, S] bool; every query attends to at least its own position
+) -> torch.Tensor:  # [B, T, Hq, D], as sdpa_attention (fp32 scores and softmax)
+    if not torch.compiler.is_compiling() or q.shape[1] > FEW_QUERIES:
+        return sdpa_attention(q, keys, values, mask)
+    b, t, hq, d = q.shape
+    hkv = keys.shape[1]
+    grouped = q.view(b, t, hkv, hq // hkv, d).permute(0, 2, 3, 1, 4).float()  # [B, Hkv, G, T, D]
+    k = keys.float()[:, :, None, None]  # [B, Hkv, 1, 1, S, D]
+    scores = (grouped[..., None, :] * k).sum(-1) * d**-0.5  # [B, Hkv, G, T, S]
+    probs = scores.masked_fill(~mask[:, :, None], float("-inf")).softmax(-1)
+    out = (probs[..., None] * values.float()[:, :, None, None]).sum(-2)  # [B, Hkv, G, T, D]
+    return out.permute(0, 3, 1, 2, 4).reshape(b, t, hq, d).to(q.dtype)
