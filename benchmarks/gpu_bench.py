@@ -39,15 +39,7 @@ SHAPES = {
         num_key_value_heads=8,
         tie_word_embeddings=False,
     ),
-    "tiny": dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    ),
+    "tiny": dict(vocab_size=512, tie_word_embeddings=False),  # llama3_config's tiny defaults otherwise
 }
 PROMPT = 128
 

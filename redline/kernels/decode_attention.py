@@ -14,10 +14,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
+
+from redline.layers.reduced_attention import sdpa_attention
 
 
 def decode_attention_reference(
@@ -37,10 +38,7 @@ def decode_attention_reference(
     mask = key_pos <= query_pos
     if chunk:
         mask &= key_pos >= query_pos - query_pos % chunk
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2).float(), keys.float(), values.float(), attn_mask=mask, enable_gqa=True
-    )
-    return out.transpose(1, 2).to(q.dtype)
+    return sdpa_attention(q.float(), keys.float(), values.float(), mask).to(q.dtype)
 
 
 @triton.jit

@@ -34,14 +34,13 @@ def select_cpu_paths(model: nn.Module, compiled: bool) -> None:
         if isinstance(module, Attention):
             on_cpu = next(module.parameters()).is_cpu
             module.core = attention_by_reductions if on_cpu and compiled else sdpa_attention
-        if isinstance(module, Linear):
+        elif isinstance(module, Linear):
             weight = module.weight
-            product = None
+            module.few_rows = None
             if weight.is_cpu and weight.dtype == torch.float32:
-                product = weight_times_xt
-            elif weight.is_cpu and weight.dtype in (torch.bfloat16, torch.float16) and compiled:
-                product = streamed_rows
-            module.few_rows = product
+                module.few_rows = weight_times_xt
+            elif weight.is_cpu and compiled and weight.dtype in (torch.bfloat16, torch.float16):
+                module.few_rows = streamed_rows
 
 
 def fused_add_norm(

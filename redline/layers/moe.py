@@ -49,10 +49,11 @@ class MoE(nn.Module):
         top_logit, top_expert = torch.topk(self.router(x), self.top_k, dim=-1)  # [N, k]
         weight = torch.sigmoid(top_logit.float()).to(x.dtype)
         n = x.shape[0]
-        if n * self.top_k <= self.num_experts and self.top1 is not None:  # set only when top_k == 1
+        few_tokens = n * self.top_k <= self.num_experts
+        if few_tokens and self.top1 is not None:  # set only when top_k == 1
             experts = self.experts
             routed = self.top1(x, top_expert[:, 0], weight[:, 0], experts.gate_up_proj, experts.down_proj)
-        elif n * self.top_k <= self.num_experts:
+        elif few_tokens:
             # Few tokens (decode): gather the chosen experts' weights; row r*k + j is token r's j-th choice.
             routed_in = x.repeat_interleave(self.top_k, dim=0) * weight.reshape(-1, 1)
             routed = self.experts.forward_selected(routed_in, top_expert.reshape(-1))
