@@ -41,7 +41,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         kv_cache_dtype=args.kv_cache_dtype,
     )
     prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.chat}]) if args.chat else args.prompt
-    if args.compile:  # compile the step for this prompt's buckets before timing (longer outputs may add one)
+    if args.compile:  # compile prefill and step for this prompt's buckets first (longer outputs may add one)
         start = time.perf_counter()
         llm.generate([prompt], SamplingParams(max_tokens=2))
         print(f"[redline] compile warm-up: {time.perf_counter() - start:.1f} s", file=sys.stderr)
@@ -239,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=False,
-        help="torch.compile the decode step (warm-up time is printed)",
+        help="torch.compile the decode step and the prefill (warm-up time is printed)",
     )
     g.add_argument("--pdl", action="store_true", help="programmatic dependent launch (Hopper+ GPUs)")
     g.add_argument("--kv-cache-dtype", default=None, help="fp8 | bfloat16 | float32 (default: the model's)")
@@ -276,7 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--prompts", type=int, default=3, help="held-out prompts to complete")
     m.add_argument("--max-tokens", type=int, default=96)
     m.add_argument("--num-draft-tokens", type=int, default=3)
-    m.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow first run)")
+    m.add_argument(
+        "--compile", action="store_true", help="torch.compile the decode step and prefill (slow first run)"
+    )
     m.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("bench", help="HF vs redline vs redline + EAGLE-3 (--model), or load a server (--url)")
@@ -294,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompt-len", type=int, default=64)
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--dtype", default="float32")
-    b.add_argument("--compile", action="store_true", help="torch.compile the decode steps")
+    b.add_argument("--compile", action="store_true", help="torch.compile the decode steps and the prefill")
     b.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     b.add_argument("--json", type=Path, default=None)
     b.add_argument("--plot", type=Path, default=None, help="PNG path")

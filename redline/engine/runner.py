@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from redline.engine.compiled_prefill import CompiledPrefill
 from redline.engine.cuda_graphs import GraphedStep
 from redline.engine.guard_skipping import GuardSkippingStep
 from redline.engine.kv_cache import KVCache
@@ -69,6 +70,7 @@ class ModelRunner:
         self.sampling_slots: set[int] = set()  # slots whose request samples (temperature > 0)
         self.step = DecodeStep(model, draft, self.k, self.cache, self.draft_cache, self.state, self.sampling)
         run: Callable[[int, int, bool], torch.Tensor] = self.step
+        self.compiled_prefill = CompiledPrefill(model, self.cache) if compile else None
         if compile:
             # one graph per (batch bucket, kv bucket, sampling): up to ~4 x 8 x 2 shapes
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
@@ -96,7 +98,10 @@ class ModelRunner:
         tokens = torch.tensor([prompt_ids], device=self.device)
         positions = torch.arange(n, device=self.device)[None]
         kv_len = self.kv_len_for(n)
-        hidden, aux = self.model(tokens, positions, self.cache.layers, slot, kv_len)
+        if self.compiled_prefill is not None:
+            hidden, aux = self.compiled_prefill(tokens, slot)
+        else:
+            hidden, aux = self.model(tokens, positions, self.cache.layers, slot, kv_len)
         logits = self.model.logits(hidden[:, -1:])  # [1, 1, V]
         first = select_tokens(logits, row, positions[:, -1:] + 1, not params.greedy)  # [1, 1]
         pending = first

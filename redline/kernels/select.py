@@ -27,8 +27,8 @@ def pdl_supported(device: torch.device) -> bool:
 
 
 def select_cpu_paths(model: nn.Module, compiled: bool) -> None:
-    """Few-row products on CPU (layers/linear.py): fp32 weights as W @ x^T; bf16/fp16 weights, when the
-    step is compiled, as the streamed loop inductor generates. Elsewhere F.linear. Attention of a
+    """Few-row products on CPU (layers/linear.py): in a compiled step, the streamed loop inductor
+    generates (every float dtype); eager, fp32 weights as W @ x^T and others F.linear. Attention of a
     compiled step on CPU as reductions inductor fuses (layers/reduced_attention.py), else SDPA."""
     for module in model.modules():
         if isinstance(module, Attention):
@@ -37,10 +37,10 @@ def select_cpu_paths(model: nn.Module, compiled: bool) -> None:
         elif isinstance(module, Linear):
             weight = module.weight
             module.few_rows = None
-            if weight.is_cpu and weight.dtype == torch.float32:
-                module.few_rows = weight_times_xt
-            elif weight.is_cpu and compiled and weight.dtype in (torch.bfloat16, torch.float16):
+            if weight.is_cpu and compiled and weight.dtype in (torch.float32, torch.bfloat16, torch.float16):
                 module.few_rows = streamed_rows
+            elif weight.is_cpu and weight.dtype == torch.float32:
+                module.few_rows = weight_times_xt
 
 
 def fused_add_norm(

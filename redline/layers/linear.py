@@ -4,14 +4,17 @@ torch's CPU GEMMs are slow for 1-8 rows (BENCHMARKS.md "Few-row linears"): the f
 weight on every call, so x[M, K] @ W[N, K]^T costs about M times the M = 1 product, and without
 AVX-512 the bf16 product is a loop over rows that reads W once per row. Two products stream W once:
 
-- `weight_times_xt`, fp32 weights in eager or compiled code: W @ x^T ([N, K] @ [K, M] -> [N, M],
-  transposed back as a view) costs about what M = 1 does;
-- `streamed_rows`, bf16/fp16 weights inside torch.compile: inductor fuses the upcast, the M products
-  and the M row sums into one C++ loop over W's rows, which loads each 16-weight vector once, converts
-  it to fp32 and accumulates it against every x row. Eager torch would materialize W in fp32, so
-  outside a compiled graph it is F.linear.
+- `weight_times_xt`, fp32 weights in eager code: W @ x^T ([N, K] @ [K, M] -> [N, M], transposed back
+  as a view) costs about what M = 1 does;
+- `streamed_rows`, weights of any float dtype inside torch.compile: inductor fuses the upcast, the M
+  products and the M row sums into one C++ loop over W's rows, which loads each 16-weight vector
+  once, converts it to fp32 and accumulates it against every x row. The loop also joins the step's
+  other fused work instead of being an external GEMM call between kernels: compiled fp32 decode of
+  the demo target ran 3.4x faster with it than with W @ x^T (BENCHMARKS.md "Compiled decode on an
+  AVX-512 instance"). Eager torch would materialize W in fp32, so outside a compiled graph it is
+  F.linear.
 
-`kernels.select.select_linears` sets `Linear.few_rows` per layer when the runner is built.
+`kernels.select.select_cpu_paths` sets `Linear.few_rows` per layer when the runner is built.
 """
 
 from __future__ import annotations

@@ -1,0 +1,59 @@
+"""Prefill through torch.compile at padded, bucketed lengths: the same hidden states, aux states and
+cache entries as the eager forward, for any slot, one graph per bucket."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from conftest import llama4_hf_config
+
+from redline.config import ModelConfig
+from redline.engine.compiled_prefill import CompiledPrefill, prompt_bucket
+from redline.engine.kv_cache import KVCache
+from redline.models.llama import LlamaForCausalLM
+from redline.models.random_init import normal_init
+
+
+def test_prompt_bucket_is_the_next_power_of_two_from_16_capped_by_the_cache():
+    assert [prompt_bucket(n, 1024) for n in (1, 16, 17, 20, 33, 64, 65)] == [16, 16, 32, 32, 64, 64, 128]
+    assert prompt_bucket(90, 100) == 100
+
+
+@pytest.fixture(scope="module")
+def llama4_model() -> LlamaForCausalLM:
+    """Llama 4 layers (MoE, chunked attention of 24, NoPE + temperature tuning) with EAGLE-3 aux states."""
+    raw = llama4_hf_config(num_local_experts=8).to_dict()
+    config = ModelConfig.from_dict({**raw, "architectures": ["Llama4ForCausalLM"]})
+    model = LlamaForCausalLM(config).eval()
+    normal_init(model, std=0.1)
+    model.aux_layers = (1, 2, 4)
+    return model
+
+
+@torch.inference_mode()
+def test_compiled_prefill_equals_eager_in_every_slot_with_one_graph_per_bucket(llama4_model):
+    torch._dynamo.reset()
+    model, config = llama4_model, llama4_model.config
+    slots, cache_len = 3, 100
+    compiled_cache = KVCache(config, slots, cache_len, torch.float32, torch.device("cpu"))
+    eager_cache = KVCache(config, slots, cache_len, torch.float32, torch.device("cpu"))
+    prefill = CompiledPrefill(model, compiled_cache)
+    # 20 and 29 share bucket 32 (the second call may not recompile); 40 pads to 64 and crosses a chunk
+    for slot, n in ((1, 20), (2, 29), (0, 40)):
+        tokens = torch.randint(0, config.vocab_size, (1, n))
+        others = [s for s in range(slots) if s != slot]
+        untouched = [(k[others].clone(), v[others].clone()) for k, v in compiled_cache.layers]
+        with torch._dynamo.config.patch(error_on_recompile=(n == 29)):
+            hidden, aux = prefill(tokens, slot)
+        positions = torch.arange(n)[None]
+        want_hidden, want_aux = model(tokens, positions, eager_cache.layers, slot, eager_cache.kv_len_for(n))
+        # fp32 sums in another order: a few ulp per op, grown over 4 layers
+        torch.testing.assert_close(hidden, want_hidden, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(aux, want_aux, atol=1e-4, rtol=1e-4)
+        layers = zip(compiled_cache.layers, eager_cache.layers, untouched, strict=True)
+        for (k, v), (want_k, want_v), (other_k, other_v) in layers:
+            torch.testing.assert_close(k[slot, :, :n], want_k[slot, :, :n], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(v[slot, :, :n], want_v[slot, :, :n], atol=1e-4, rtol=1e-4)
+            assert torch.equal(k[others], other_k) and torch.equal(v[others], other_v)
+    assert prefill.buckets == {32, 64}
