@@ -11,8 +11,8 @@ Decode tok/s is per user over the decode phase, (N - 1) / (t_last - t_first), fo
 redline's `Completion.tokens_per_s`; for HF a streamer timestamps each token as `generate` emits it.
 Weight bytes per token = every parameter except the embedding table (one row of it is read);
 KV-cache reads are left out. GB/s = weight bytes per token x tokens/s; "roofline" divides it by the
-read bandwidth measured on this machine just before (machine.read_bandwidth_gbps). `--compile` runs
-redline's compiled step (the warm-up, compile included, is timed and printed); HF stays eager.
+read bandwidth measured on this machine after the runs (machine.read_bandwidth_gbps). `--compile` runs
+redline's compiled step and prefill (the warm-up, compile included, is timed and printed); HF stays eager.
 
     .venv/bin/python benchmarks/decode_baseline.py [--dtype float32] [--compile] [--threads 2] [--repeats 5]
 """
@@ -96,7 +96,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--compile", action="store_true", help="redline's compiled step (HF stays eager)")
+    parser.add_argument("--compile", action="store_true", help="compiled step and prefill (HF stays eager)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
