@@ -10,9 +10,9 @@ AVX-512 the bf16 product is a loop over rows that reads W once per row. Two prod
   products and the M row sums into one C++ loop over W's rows, which loads each 16-weight vector
   once, converts it to fp32 and accumulates it against every x row. The loop also joins the step's
   other fused work instead of being an external GEMM call between kernels: compiled fp32 decode of
-  the demo target ran 3.4x faster with it than with W @ x^T (BENCHMARKS.md "Compiled decode on an
-  AVX-512 instance"). Eager torch would materialize W in fp32, so outside a compiled graph it is
-  F.linear.
+  the demo target ran 3.4-3.7x faster with it than with W @ x^T (BENCHMARKS.md "Compiled decode and
+  prefill on an AVX-512 instance"). Eager torch would materialize W in fp32, so outside a compiled
+  graph it is F.linear.
 
 `kernels.select.select_cpu_paths` sets `Linear.few_rows` per layer when the runner is built.
 """
