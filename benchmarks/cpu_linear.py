@@ -1,15 +1,15 @@
 """Few-row linear layers on CPU: which torch product is fastest per shape, against the bandwidth roofline.
 
-    .venv/bin/python benchmarks/cpu_linear.py [--threads 2] [--roofline-gbps 36]
+    .venv/bin/python benchmarks/cpu_linear.py [--threads 2] [--roofline-gbps GBPS]  (default: measured)
 
-Every candidate computes y = x @ W^T for x [M, K], M in {1, 4} (plain decode, K=3 verify). Eight
-copies of each weight are cycled so the small shapes are read from memory, not cache. GB/s counts
-weight bytes in the candidate's own storage (bf16 2, fp32 4, int8 1 per weight); "ms" is what
-decides the choice. Candidates: bf16 F.linear; bf16 `streamed_rows` compiled by inductor (the few-row
-path of compiled steps, layers/linear.py); fp32 W @ x^T (the eager and compiled fp32 few-row path);
-fp32 `streamed_rows` compiled; int8 weights with per-channel scales through torch._weight_int8pack_mm
-(lossy: for reference). oneDNN's bf16 linear needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT, which this
-machine does not expose.
+Every candidate computes y = x @ W^T for x [M, K], M in {1, 4} (plain decode, K=3 verify). Eight copies
+of each weight are cycled so the small shapes are read from memory, not cache. GB/s counts weight bytes
+in the candidate's own storage (bf16 2, fp32 4, int8 1 per weight); "ms" is what decides the choice.
+Candidates: bf16 F.linear; bf16 `streamed_rows` compiled by inductor (the few-row path of compiled
+steps, layers/linear.py); fp32 W @ x^T (the eager fp32 few-row path); fp32 `streamed_rows` compiled (the
+compiled fp32 few-row path); int8 weights with per-channel scales through torch._weight_int8pack_mm
+(lossy: for reference). oneDNN's bf16 linear needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT, which AVX2-only
+machines do not expose.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from redline.benchmark.machine import read_bandwidth_gbps
 from redline.layers.linear import streamed_rows
 
 SHAPES = [(2816, 512), (512, 1408), (2048, 256), (4096, 4096), (14336, 4096)]
@@ -54,11 +55,13 @@ def seconds(fn, repeats: int = 50) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--roofline-gbps", type=float, default=36.0, help="measured memory bandwidth")
+    parser.add_argument("--roofline-gbps", type=float, default=None, help="default: measured here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    args.roofline_gbps = args.roofline_gbps or read_bandwidth_gbps()
     torch._dynamo.config.recompile_limit = 64  # one graph per shape and M
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, roofline {args.roofline_gbps} GB/s")
+    threads = torch.get_num_threads()
+    print(f"torch {torch.__version__}, {threads} threads, roofline {args.roofline_gbps:.1f} GB/s")
     names = ("bf16 linear", "bf16 streamed", "fp32 W@x^T", "fp32 streamed", "int8 pack")
     print(f"{'N x K':>12}{'M':>3}  " + "".join(f"{c:>24}" for c in names))
     for n, k in SHAPES:

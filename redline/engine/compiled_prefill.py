@@ -15,6 +15,7 @@ and the cache writes land in the real cache through the views.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from redline.engine.kv_cache import KVCache
 from redline.models.llama import KVLayer, LlamaForCausalLM
@@ -37,7 +38,6 @@ class CompiledPrefill:
             [(k[s : s + 1], v[s : s + 1]) for k, v in cache.layers] for s in range(cache.slots)
         ]
         self.compiled = torch.compile(self._forward, fullgraph=True, dynamic=False)
-        self.buckets: set[int] = set()  # padded lengths compiled so far
 
     def _forward(
         self, tokens: torch.Tensor, positions: torch.Tensor, cache: list[KVLayer], kv_len: int
@@ -53,10 +53,8 @@ class CompiledPrefill:
         written into `slot`. One graph per padded length (its kv bucket follows from it)."""
         n = tokens.shape[1]
         padded_len = prompt_bucket(n, self.cache.max_len)
-        padded = torch.zeros((1, padded_len), dtype=tokens.dtype, device=tokens.device)
-        padded[:, :n] = tokens
+        padded = F.pad(tokens, (0, padded_len - n))  # [1, L], padded with token 0
         positions = torch.arange(padded_len, device=tokens.device)[None]
         kv_len = self.cache.kv_len_for(padded_len)
         hidden, aux = self.compiled(padded, positions, self.slot_views[slot], kv_len)
-        self.buckets.add(padded_len)
         return hidden[:, :n], None if aux is None else aux[:, :n]
