@@ -1,12 +1,14 @@
 """Batch-1 decode step on a Llama-3.1-8B-shaped random-weight model: BF16 and FP8 against the memory
-bandwidth roofline, the EAGLE-3 K=3 step against the plain step, CUDA graph against eager.
+bandwidth roofline, the EAGLE-3 K=3 step against the plain step, CUDA graph against eager; and prefill
+attention at 4,000 tokens (the Triton kernel against SDPA over the cache slice) and a 4,000-token
+prefill through the whole model.
 
     python benchmarks/gpu_bench.py --out OUTDIR [--shape 8b|tiny] [--device cuda] [--peak-gbps 4800]
 
 Weights are random (N(0, 0.02)), built directly on the device: no checkpoint is read. The roofline
 time of a plain step is (weight bytes read per token) / (peak bandwidth): every linear weight plus
 one embedding row; KV-cache reads are left out (a few MB at this length). `--shape tiny --device cpu`
-runs the same code on CPU in seconds (tests/test_gpu_check.py).
+runs the same code on CPU in seconds (tests/test_gpu_check.py), the Triton kernel left out.
 """
 
 from __future__ import annotations
@@ -14,13 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from redline.config import ModelConfig
 from redline.engine.runner import ModelRunner
-from redline.kernels.select import pdl_supported
+from redline.kernels.select import pdl_supported, prefill_tiles, triton_by_default
+from redline.layers.reduced_attention import sdpa_attention
 from redline.models.eagle3 import Eagle3Draft, draft_config_for
 from redline.models.llama import LlamaForCausalLM
 from redline.models.random_init import llama3_config, normal_init
@@ -42,6 +46,7 @@ SHAPES = {
     "tiny": dict(vocab_size=512, tie_word_embeddings=False),  # llama3_config's tiny defaults otherwise
 }
 PROMPT = 128
+LONG_PROMPT = 4000
 
 
 def weight_bytes(model: LlamaForCausalLM) -> int:
@@ -69,6 +74,64 @@ def time_step(runner: ModelRunner, graphed: bool, steps: int) -> float:
     sync(runner.device)
     runner.release(0)
     return (time.perf_counter() - start) / steps
+
+
+def seconds_per_call(run: Callable[[], object], device: torch.device, repeats: int = 5) -> float:
+    run()  # compiles the Triton kernel on its first call
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        run()
+    sync(device)
+    return (time.perf_counter() - start) / repeats
+
+
+def prefill_attention_bench(config: ModelConfig, device: torch.device) -> dict:
+    """One layer's attention over a 4,000-token prompt in a 4,096-position cache bucket, bf16: the Triton
+    prefill kernel (on CUDA) and SDPA over the cache slice with the boolean mask (the torch path), with
+    causal FLOP/s (4 * D * Hq * T(T+1)/2) and SDPA's peak memory beyond its inputs."""
+    t, kv_len, d = LONG_PROMPT, 4096, config.head_dim
+    q = torch.randn(1, t, config.num_heads, d, device=device, dtype=torch.bfloat16)
+    k_cache, v_cache = (
+        torch.randn(2, 1, config.num_kv_heads, kv_len + 1, d, device=device).bfloat16().unbind(0)
+    )
+    positions = torch.arange(t, device=device)[None]
+    mask = (torch.arange(kv_len, device=device)[None, :] <= positions[0, :, None])[None, None]
+    flops = 4 * d * config.num_heads * t * (t + 1) / 2
+
+    def sdpa() -> torch.Tensor:
+        return sdpa_attention(q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], mask)
+
+    result: dict = {"tokens": t, "kv_len": kv_len}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    sdpa_s = seconds_per_call(sdpa, device)
+    result["sdpa_ms"], result["sdpa_tflops"] = sdpa_s * 1e3, flops / sdpa_s / 1e12
+    if device.type == "cuda":
+        result["sdpa_peak_extra_gb"] = (torch.cuda.max_memory_allocated() - base) / 1e9
+    if triton_by_default(device):
+        from redline.kernels.prefill_attention import prefill_attention
+
+        tiles = prefill_tiles(torch.bfloat16)
+        triton_s = seconds_per_call(
+            lambda: prefill_attention(q, k_cache, v_cache, positions, 0, kv_len, **tiles), device
+        )
+        result["triton_ms"], result["triton_tflops"] = triton_s * 1e3, flops / triton_s / 1e12
+        got = prefill_attention(q, k_cache, v_cache, positions, 0, kv_len, **tiles)
+        result["triton_max_abs_diff_vs_sdpa"] = (got.float() - sdpa().float()).abs().max().item()
+    print(f"prefill attention {t} tokens: {json.dumps(result)}")
+    return result
+
+
+def long_prefill_bench(model: LlamaForCausalLM, device: torch.device) -> dict:
+    """A 4,000-token prompt through the whole model (eager, the runner's kernels): time to first token."""
+    runner = ModelRunner(model, 1, LONG_PROMPT + 64, cuda_graphs=False)
+    prompt = [5 + i % (model.config.vocab_size - 5) for i in range(LONG_PROMPT)]
+    seconds = seconds_per_call(lambda: runner.prefill(0, prompt, SamplingParams(), seed=0), device, repeats=2)
+    result = {"tokens": LONG_PROMPT, "ms": seconds * 1e3, "tokens_per_s": LONG_PROMPT / seconds}
+    print(f"prefill {LONG_PROMPT} tokens through the model: {json.dumps(result)}")
+    return result
 
 
 def main() -> None:
@@ -119,6 +182,8 @@ def main() -> None:
     spec = ModelRunner(model, 1, max_len, draft, 3)
     record("bf16 eagle3 K=3 step", spec, graphs, bf16_bytes)
     del plain, spec
+    prefill_attention = prefill_attention_bench(config, device)
+    long_prefill = long_prefill_bench(model, device)
     with torch.no_grad():
         to_fp8(model, Fp8Scheme(tuple(HIGH_PRECISION)), scaled_mm_available(device))
     fp8_bytes = weight_bytes(model)
@@ -143,6 +208,8 @@ def main() -> None:
             else None
         ),
         "results": results,
+        "prefill_attention": prefill_attention,
+        "prefill_bf16_model": long_prefill,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_bench.json").write_text(json.dumps(summary, indent=2))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import time
 import typing
 from pathlib import Path
 
@@ -39,12 +38,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         compile=args.compile,
         pdl=args.pdl,
         kv_cache_dtype=args.kv_cache_dtype,
+        max_batch=1,
     )
+    if llm.warmup_s:
+        print(
+            f"[redline] warm-up (compiling every prefill and step shape): {llm.warmup_s:.1f} s",
+            file=sys.stderr,
+        )
     prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.chat}]) if args.chat else args.prompt
-    if args.compile:  # compile prefill and step for this prompt's buckets first (longer outputs may add one)
-        start = time.perf_counter()
-        llm.generate([prompt], SamplingParams(max_tokens=2))
-        print(f"[redline] compile warm-up: {time.perf_counter() - start:.1f} s", file=sys.stderr)
     stream = llm.stream(prompt, params)
     for piece in stream:
         sys.stdout.write(piece)
@@ -193,7 +194,7 @@ def _bench_server(args: argparse.Namespace) -> int:
 def cmd_quantize(args: argparse.Namespace) -> int:
     from redline.quant.checkpoint import quantize_checkpoint
 
-    counts = quantize_checkpoint(args.model, args.out)
+    counts = quantize_checkpoint(args.model, args.out, max_shard_bytes=int(args.max_shard_gb * 10**9))
     fp8, total = counts["fp8_parameters"], counts["parameters"]
     print(f"wrote {args.out}: {fp8:,} of {total:,} parameters in FP8 ({fp8 / total:.0%})")
     return 0
@@ -239,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=False,
-        help="torch.compile the decode step and the prefill (warm-up time is printed)",
+        help="torch.compile the decode step and the prefill; every shape compiles at start-up (time printed)",
     )
     g.add_argument("--pdl", action="store_true", help="programmatic dependent launch (Hopper+ GPUs)")
     g.add_argument("--kv-cache-dtype", default=None, help="fp8 | bfloat16 | float32 (default: the model's)")
@@ -305,6 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("quantize", help="FP8 weights (per-channel scales), compressed-tensors layout")
     q.add_argument("--model", required=True, type=Path)
     q.add_argument("--out", required=True, type=Path)
+    q.add_argument(
+        "--max-shard-gb", type=float, default=5.0, help="safetensors shard limit in GB (HF's default: 5)"
+    )
     q.set_defaults(func=cmd_quantize)
 
     e = sub.add_parser("eval", help="BF16 vs FP8 vs speculation: perplexity, KL, agreement, task accuracy")
@@ -328,11 +332,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from redline.engine.failures import DeviceUnusableError, GenerationError  # imports torch: after --help
+
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:  # configuration and input errors: one clear line
         print(f"redline: error: {e}", file=sys.stderr)
         return 2
+    except (GenerationError, DeviceUnusableError) as e:  # the engine failed the request (out of memory, say)
+        print(f"redline: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

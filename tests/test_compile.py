@@ -1,12 +1,15 @@
-"""The decode step compiles with fullgraph=True and is not recompiled from step to step."""
+"""The compiled engine: every prefill and step shape compiles at start-up, and none while serving."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch._dynamo
+import torch._dynamo.utils
 from conftest import (
     build_hf_model,
     greedy_divergence_is_a_near_tie,
+    llama3_hf_config,
     llama4_hf_config,
     save_hf_model,
 )
@@ -15,55 +18,76 @@ from redline import LLM, SamplingParams
 from redline.engine.request import Request
 from redline.models.random_init import write_random_draft
 
+CONTEXT = 320
 
-def test_compiled_speculative_step_never_recompiles(tmp_path, tokenizer_dir):
-    """Llama 4 target (MoE, chunked attention) + draft, K = 3, two slots, 20 steps inside one kv bucket."""
-    target_dir = save_hf_model(build_hf_model(llama4_hf_config()), tmp_path / "t", tokenizer_dir)
+
+@pytest.fixture(scope="module")
+def llama3_pair(tmp_path_factory, tokenizer_dir):
+    root = tmp_path_factory.mktemp("compile")
+    target = save_hf_model(build_hf_model(llama3_hf_config(), seed=7), root / "t", tokenizer_dir)
+    return target, write_random_draft(target, root / "d")
+
+
+def unique_graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def test_a_run_through_every_bucket_compiles_nothing(llama3_pair):
+    """Two slots, K = 3, a context of 320: rows 1 and 2 (slot 1 busy keeps rows at 2), kv buckets 64 ->
+    128 -> 256 -> 327 as a request grows to the limit, greedy and sampled. Every (rows, kv_len, sampling)
+    key is visited after the warm-up, none compiles, and greedy tokens equal the eager engine's."""
+    target, draft = llama3_pair
+    torch._dynamo.reset()
+    kw = dict(dtype="float32", max_batch=2, max_seq_len=CONTEXT, draft=draft, num_draft_tokens=3)
+    llm = LLM(target, compile=True, progress=False, **kw)
+    runner = llm.runner
+    graphs_after_warm_up = unique_graphs()
+    assert graphs_after_warm_up == 4 + 1  # (rows, sampling) for the step, one prefill graph
+    visited = set()
+    step = runner._run_step
+
+    def recording_step(rows: int, kv_len: int, sampling: bool) -> torch.Tensor:
+        visited.add((rows, kv_len, sampling))
+        return step(rows, kv_len, sampling)
+
+    runner._run_step = recording_step
+    long, short = torch.randint(5, 384, (20,)).tolist(), torch.randint(5, 384, (9,)).tolist()
+    greedy = SamplingParams(max_tokens=CONTEXT - 20, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=CONTEXT - 20, ignore_eos=True, temperature=0.8, seed=5)
+    outputs = []
+    for params in (greedy, sampled):
+        brief = SamplingParams(max_tokens=4, ignore_eos=True, temperature=params.temperature)
+        outputs.append(llm.generate([long], params)[0])  # rows 1
+        outputs.append(llm.generate([short, long], [brief, params])[1])  # slot 1 runs alone: rows 2
+    assert visited == set(runner.step_keys())
+    assert unique_graphs() == graphs_after_warm_up
+    assert all(len(c.token_ids) == CONTEXT - 20 for c in outputs)
+    eager = LLM(target, **kw)
+    [want] = eager.generate([long], greedy)
+    for got in outputs[:2]:
+        assert greedy_divergence_is_a_near_tie(eager.model, long, got.token_ids, want.token_ids)
+
+
+def test_compiled_llama4_runs_past_4096_tokens_without_compiling(tmp_path, tokenizer_dir):
+    """Llama 4 target (MoE, chunked attention) + draft, K = 3, one slot, a context of 4,200: a 4,080-token
+    prompt, then steps whose kv bucket goes from 4,096 to the whole cache, where inductor's CPU code
+    would split its reductions if kv_len could be specialized (engine/compiled_step.py)."""
+    config = llama4_hf_config(max_position_embeddings=4200)
+    target_dir = save_hf_model(build_hf_model(config), tmp_path / "t", tokenizer_dir)
     draft_dir = write_random_draft(target_dir, tmp_path / "d", draft_vocab=200)
     torch._dynamo.reset()
-    llm = LLM(
-        target_dir,
-        dtype="float32",
-        max_batch=2,
-        max_seq_len=512,
-        draft=draft_dir,
-        num_draft_tokens=3,
-        compile=True,
-    )
-    prompts = [torch.randint(5, 384, (140,)).tolist(), torch.randint(5, 384, (150,)).tolist()]
-    params = SamplingParams(max_tokens=200, ignore_eos=True)
-    requests = [Request(p, params, llm.tokenizer, frozenset(), num_draft_tokens=3) for p in prompts]
-    for r in requests:
-        llm.scheduler.add(r)
-    llm.scheduler.step()  # prefill both, first (compiling) step
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        for _ in range(20):
-            llm.scheduler.step()
-    eager = LLM(target_dir, dtype="float32", max_batch=2, draft=draft_dir, num_draft_tokens=3)
-    for prompt, r in zip(prompts, requests, strict=True):
-        n = len(r.output_ids)
-        assert n >= 21
-        [want] = eager.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True))
-        assert greedy_divergence_is_a_near_tie(eager.model, prompt, r.output_ids, want.token_ids)
-
-
-def test_compiled_step_across_buckets_equals_eager(tmp_path, tokenizer_dir):
-    """Three requests of different lengths: the kv bucket grows 64 -> 128 and the batch bucket shrinks
-    4 -> 1 as they finish; a second round revisits those graphs after others ran. With guard evaluation
-    skipped for seen shapes (engine/guard_skipping.py), each call must still get its own graph."""
-    from conftest import llama3_hf_config
-
-    target_dir = save_hf_model(build_hf_model(llama3_hf_config(), seed=7), tmp_path / "t", tokenizer_dir)
-    draft_dir = write_random_draft(target_dir, tmp_path / "d")
-    prompts = [torch.randint(5, 384, (n,)).tolist() for n in (50, 20, 5)]
-    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (40, 12, 24)]
-    torch._dynamo.reset()
-    kw = dict(dtype="float32", max_batch=4, max_seq_len=128, draft=draft_dir, num_draft_tokens=3)
-    compiled = LLM(target_dir, compile=True, **kw)
-    eager = LLM(target_dir, **kw)
-    rounds = [compiled.generate(prompts, params) for _ in range(2)]
-    assert len(compiled.runner._run_step.seen) >= 3  # (rows, kv_len, sampling) keys
-    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-        [want] = eager.generate([prompt], p)
-        for got in rounds:
-            assert greedy_divergence_is_a_near_tie(eager.model, prompt, got[i].token_ids, want.token_ids)
+    kw = dict(dtype="float32", max_batch=1, max_seq_len=4200, draft=draft_dir, num_draft_tokens=3)
+    llm = LLM(target_dir, compile=True, progress=False, **kw)
+    graphs_after_warm_up = unique_graphs()
+    prompt = torch.randint(5, 384, (4080,)).tolist()
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    request = Request(prompt, params, llm.tokenizer, frozenset(), num_draft_tokens=3)
+    llm.scheduler.add(request)
+    kv_lens = set()
+    while not request.finished:
+        kv_lens.add(llm.runner.kv_len_for(request.position))
+        llm.scheduler.step()
+    assert kv_lens == {4096, llm.runner.cache_len}
+    assert unique_graphs() == graphs_after_warm_up
+    [want] = LLM(target_dir, **kw).generate([prompt], params)
+    assert greedy_divergence_is_a_near_tie(llm.model, prompt, request.output_ids, want.token_ids)

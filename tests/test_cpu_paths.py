@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
+import torch._dynamo.utils
 import torch.nn.functional as F
 
-from redline.engine.guard_skipping import GuardSkippingStep
+from redline.engine.compiled_step import CompiledStep
 from redline.layers.linear import FEW_ROWS, Linear, streamed_rows, weight_times_xt
 from redline.layers.reduced_attention import attention_by_reductions, sdpa_attention
 
@@ -59,19 +60,48 @@ def test_select_cpu_paths_by_dtype_and_compile():
     assert fp32.few_rows is streamed_rows and bf16.few_rows is streamed_rows
 
 
-def test_guard_skipping_step_runs_the_graph_of_each_key():
-    """Keys revisited in a new order each get their own graph back, not the last one compiled."""
+def test_compiled_step_runs_the_graph_of_each_key_at_every_kv_len():
+    """Keys revisited in a new order each get their own graph back, not the last one compiled, with guard
+    evaluation skipped; kv_len is dynamic, so its changes compile nothing; after freeze nothing compiles."""
     torch._dynamo.reset()
-    state = torch.zeros(8)
+    torch._dynamo.utils.counters.clear()
+    state = torch.zeros(8, 601)  # as KVCache: one position past the longest kv_len
 
     def step(rows: int, kv_len: int, sampling: bool) -> torch.Tensor:
-        return state[:rows] + kv_len + (1000 if sampling else 0)
+        return state[:rows, :kv_len].sum(-1) + (1000 if sampling else 0)
 
-    run = GuardSkippingStep(torch.compile(step, fullgraph=True, dynamic=False))
-    keys = [(1, 64, False), (2, 64, False), (1, 128, False), (2, 128, True), (1, 64, True)]
+    run = CompiledStep(step, cache_len=600, device=torch.device("cpu"))
+    keys = [(1, 64, False), (2, 64, False), (1, 128, False), (2, 600, True), (1, 64, True), (2, 256, True)]
     order = keys + keys[::-1] + [keys[i] for i in torch.randperm(len(keys)).tolist()]
-    for rows, kv_len, sampling in order:
+    for i, (rows, kv_len, sampling) in enumerate(order):
+        if i == len(keys):
+            run.freeze()
         state.normal_()  # the graphs read the live tensor, not a copy from their compile
-        want = step(rows, kv_len, sampling)
-        torch.testing.assert_close(run(rows, kv_len, sampling), want)
-    assert run.seen == set(keys)
+        torch.testing.assert_close(run(rows, kv_len, sampling), step(rows, kv_len, sampling))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 4  # (rows, sampling): kv_len is dynamic
+    with pytest.raises(RuntimeError, match="not compiled at warm-up"):
+        run(4, 64, False)
+
+
+@pytest.mark.parametrize("dtype, tiles", [(torch.bfloat16, (128, 64)), (torch.float32, (64, 32))])
+def test_select_kernels_sets_step_and_prefill_attention(dtype, tiles):
+    """With Triton, every attention layer gets the split-KV kernel for steps and the prefill kernel (its
+    tiles by the model's dtype) for prompts; without, both are cleared and SDPA serves."""
+    pytest.importorskip("triton")
+    from redline.config import ModelConfig
+    from redline.kernels.decode_attention import decode_attention
+    from redline.kernels.prefill_attention import prefill_attention
+    from redline.kernels.select import select_kernels
+    from redline.layers.attention import Attention
+    from redline.models.llama import LlamaForCausalLM
+    from redline.models.random_init import llama3_config
+
+    model = LlamaForCausalLM(ModelConfig.from_dict(llama3_config(64))).to(dtype)
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    select_kernels(model, True, pdl=True)
+    for layer in layers:
+        assert layer.step_kernel.func is decode_attention and layer.step_kernel.keywords == {"pdl": True}
+        assert layer.prefill_kernel.func is prefill_attention
+        assert (layer.prefill_kernel.keywords["block_m"], layer.prefill_kernel.keywords["block_n"]) == tiles
+    select_kernels(model, False)
+    assert all(layer.step_kernel is None and layer.prefill_kernel is None for layer in layers)

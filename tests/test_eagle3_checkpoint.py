@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from conftest import build_hf_model, llama3_hf_config, save_hf_model
+from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import load_file, save_file
 
 from redline.config import ConfigError
@@ -117,3 +118,24 @@ def test_mismatched_drafts_get_a_clear_error(target, tmp_path, change, message):
     (src / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=message):
         load_draft(src, model, torch.float32)
+
+
+def test_sharded_bin_draft_loads_the_same_weights(target, tmp_path):
+    """pytorch_model-0000N-of-0000M.bin + pytorch_model.bin.index.json, as transformers 4.x wrote them."""
+    model_dir, _ = target
+    model = load_target(model_dir, torch.float32)
+    src = write_random_draft(model_dir, tmp_path / "src", draft_vocab=100)
+    weights = load_file(src / "model.safetensors")
+    split = split_torch_state_dict_into_shards(
+        weights, filename_pattern="pytorch_model{suffix}.bin", max_shard_size="40KB"
+    )
+    out = tmp_path / "bin"
+    out.mkdir()
+    for filename, keys in split.filename_to_tensors.items():
+        torch.save({k: weights[k] for k in keys}, out / filename)
+    index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+    (out / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    (out / "config.json").write_text((src / "config.json").read_text())
+    assert len(split.filename_to_tensors) > 2
+    a, b = state(load_draft(src, model, torch.float32)), state(load_draft(out, model, torch.float32))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -13,7 +13,8 @@ from redline import LLM, SamplingParams
 from redline.config import ConfigError
 from redline.models.build import load_target
 from redline.quant.checkpoint import quantize_checkpoint
-from redline.quant.fp8 import FP8, Fp8Experts, Fp8Linear, dequantize, quantize
+from redline.quant.fp8 import FP8, Fp8Linear, dequantize, quantize
+from redline.quant.fp8_experts import Fp8Experts
 from redline.quant.scheme import Fp8Scheme
 
 # e4m3 keeps 3 mantissa bits: rounding moves a normal value by at most 2^-4 of itself, and a value
@@ -60,8 +61,11 @@ def test_fp8_experts_match_dequantized_reference():
     exact = experts.forward_selected(x, which)
     got = fp8.forward_selected(x, which)
     assert ((got - exact).norm() / exact.norm()).item() < 2 * REL
-    dense = fp8.forward_all(x[None].expand(4, -1, -1))  # [E, N, H]: row i through every expert
-    torch.testing.assert_close(dense[which, torch.arange(6)], got, atol=1e-5, rtol=1e-5)
+    # prefill: rows sorted by expert, order [0, 5, 3, 4, 1, 2] (experts [0, 0, 1, 2, 3, 3]), group ends
+    # [2, 3, 4, 6]; each expert dequantized once: the same function as the decode path
+    order = torch.argsort(which, stable=True)
+    grouped = fp8.forward_grouped(x[order], torch.tensor([2, 3, 4, 6], dtype=torch.int32))
+    torch.testing.assert_close(grouped, got[order], atol=1e-5, rtol=1e-5)
 
 
 def _close_logits(dir_a, dir_b, tokens: torch.Tensor) -> float:
@@ -128,8 +132,8 @@ def test_fbgemm_layout_and_unsupported_schemes(tmp_path, tokenizer_dir):
     config_path.write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match="'gptq' is not supported"):
         load_target(tmp_path / "fp8")
-    per_tensor = {"group_0": {"weights": {"num_bits": 8, "type": "float", "strategy": "tensor"}}}
-    raw["quantization_config"] = {"quant_method": "compressed-tensors", "config_groups": per_tensor}
+    blocks = {"group_0": {"weights": {"num_bits": 8, "type": "float", "strategy": "block"}}}
+    raw["quantization_config"] = {"quant_method": "compressed-tensors", "config_groups": blocks}
     config_path.write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match="channel-wise"):
         load_target(tmp_path / "fp8")

@@ -6,7 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from redline.models.loader import CheckpointError, checkpoint_files, load_weights, save_weights
+from redline.models.loader import CheckpointError, Part, checkpoint_files, load_weights, save_weights
+from redline.models.shards import ShardWriter
 
 VOCAB, HIDDEN = 32, 8
 
@@ -89,14 +90,41 @@ def test_dtype_cast(tmp_path: Path, disk_dtype: torch.dtype, load_dtype: torch.d
     assert model.position_ids.dtype == torch.int64
 
 
-def test_float8_keeps_dtype(tmp_path: Path) -> None:
+def fp8_meta_model() -> TinyModel:
+    """proj in FP8 with a per-tensor scale, as an FP8 checkpoint's skeleton has it."""
+    model = meta_model()
+    with torch.device("meta"):
+        model.proj.weight = torch.nn.Parameter(torch.empty(2 * HIDDEN, HIDDEN, dtype=torch.float8_e4m3fn))
+        model.proj.weight_scale = torch.nn.Parameter(torch.empty(1))
+    return model
+
+
+def test_float8_keeps_dtype_and_scales_load_as_fp32(tmp_path: Path) -> None:
     weights = random_weights()
     weights["proj.weight"] = weights["proj.weight"].to(torch.float8_e4m3fn)
+    weights["proj.weight_scale"] = torch.tensor(0.0123, dtype=torch.bfloat16)  # [] bf16, as some releases
     save_weights(weights, tmp_path)
-    model = meta_model()
+    model = fp8_meta_model()
     load_weights(model, tmp_path, dtype=torch.bfloat16, progress=False)
     assert model.proj.weight.dtype == torch.float8_e4m3fn
     assert torch.equal(model.proj.weight.view(torch.uint8), weights["proj.weight"].view(torch.uint8))
+    assert model.proj.weight_scale.dtype == torch.float32 and model.proj.weight_scale.shape == (1,)
+    assert model.proj.weight_scale.item() == weights["proj.weight_scale"].float().item()  # exact
+    assert model.embed.weight.dtype == torch.bfloat16
+
+
+def test_float8_where_the_model_is_high_precision_and_back(tmp_path: Path) -> None:
+    weights = random_weights()
+    weights["proj.weight"] = weights["proj.weight"].to(torch.float8_e4m3fn)
+    save_weights(weights, tmp_path)
+    with pytest.raises(
+        CheckpointError, match=r"model\.safetensors: tensor 'proj\.weight' is torch\.float8_e4m3fn"
+    ):
+        load_weights(meta_model(), tmp_path, dtype=torch.float32, progress=False)
+    weights = {**random_weights(), "proj.weight_scale": torch.ones(1)}
+    save_weights(weights, tmp_path)
+    with pytest.raises(CheckpointError, match=r"'proj\.weight' is torch\.float32 but .* is torch\.float8"):
+        load_weights(fp8_meta_model(), tmp_path, dtype=torch.float32, progress=False)
 
 
 def test_rename_strips_prefix_and_skips_vision(tmp_path: Path) -> None:
@@ -169,8 +197,9 @@ def test_garbage_file(tmp_path: Path) -> None:
         load_weights(meta_model(), tmp_path, dtype=torch.float32, progress=False)
 
 
-def test_no_safetensors(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match=r"no \*\.safetensors in"):
+def test_no_checkpoint_files(tmp_path: Path) -> None:
+    torch.save({"not": "weights"}, tmp_path / "training_args.bin")  # other .bin files are not weights
+    with pytest.raises(CheckpointError, match=r"no \*\.safetensors or pytorch_model\*\.bin in"):
         checkpoint_files(tmp_path)
 
 
@@ -205,3 +234,224 @@ def test_save_tied_weights(tmp_path: Path) -> None:
     assert reloaded.keys() == tied.keys()
     for key, tensor in tied.items():
         assert torch.equal(reloaded[key], tensor), key
+
+
+# PyTorch .bin checkpoints: same key map, validation and errors as safetensors
+
+
+def test_bin_single_file(tmp_path: Path) -> None:
+    weights = random_weights(torch.float16)
+    torch.save(weights, tmp_path / "pytorch_model.bin")
+    model = meta_model()
+    assert load_weights(model, tmp_path, dtype=torch.float32, progress=False) == set(weights)
+    assert_loaded(model, weights, torch.float32)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "pytorch_model.bin"])
+def test_loaded_tensors_own_their_memory(tmp_path: Path, name: str) -> None:
+    """Both formats are read through memory maps; uncast tensors are copied out, so the model neither keeps
+    the file mapped (resident) nor changes when the file does."""
+    weights = random_weights()
+    path = tmp_path / name
+    if name == "pytorch_model.bin":
+        torch.save(weights, path)
+    else:
+        save_weights(weights, tmp_path)
+    model = meta_model()
+    load_weights(model, tmp_path, dtype=torch.float32, progress=False)
+    with path.open("r+b") as f:
+        f.write(bytes(path.stat().st_size))
+    assert_loaded(model, weights, torch.float32)
+
+
+def test_bin_sharded_with_index(tmp_path: Path) -> None:
+    weights = random_weights()
+    names = list(weights)
+    shards = {"pytorch_model-00001-of-00002.bin": names[:3], "pytorch_model-00002-of-00002.bin": names[3:]}
+    for file, keys in shards.items():
+        torch.save({k: weights[k] for k in keys}, tmp_path / file)
+    index = {"weight_map": {k: file for file, keys in shards.items() for k in keys}}
+    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    assert {p.name for p in checkpoint_files(tmp_path).values()} == set(shards)
+    model = meta_model()
+    load_weights(model, tmp_path, dtype=torch.float32, progress=False)
+    assert_loaded(model, weights, torch.float32)
+
+
+def test_bin_legacy_format_loads(tmp_path: Path) -> None:
+    """Files from torch.save before the zip format (PyTorch < 1.6) cannot be memory-mapped: read whole."""
+    weights = random_weights()
+    torch.save(weights, tmp_path / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    model = meta_model()
+    load_weights(model, tmp_path, dtype=torch.float32, progress=False)
+    assert_loaded(model, weights, torch.float32)
+
+
+def test_safetensors_preferred_over_bin(tmp_path: Path) -> None:
+    weights = random_weights()
+    save_weights(weights, tmp_path)
+    torch.save({k: torch.zeros_like(v) for k, v in weights.items()}, tmp_path / "pytorch_model.bin")
+    model = meta_model()
+    load_weights(model, tmp_path, dtype=torch.float32, progress=False)
+    assert_loaded(model, weights, torch.float32)
+
+
+def test_bin_validation_names_the_file(tmp_path: Path) -> None:
+    weights = random_weights()
+    weights["proj.weight"] = torch.randn(HIDDEN, HIDDEN)
+    torch.save(weights, tmp_path / "pytorch_model.bin")
+    model = meta_model()
+    with pytest.raises(
+        CheckpointError, match=r"pytorch_model\.bin: tensor 'proj\.weight' has shape \[8, 8\]"
+    ):
+        load_weights(model, tmp_path, dtype=torch.float32, progress=False)
+    assert model.embed.weight.is_meta  # failed before reading any data
+    del weights["proj.weight"]
+    torch.save(weights, tmp_path / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match=r"lacks 1 keys: proj\.weight"):
+        load_weights(meta_model(), tmp_path, dtype=torch.float32, progress=False)
+
+
+class Payload:
+    """A pickle that runs code when unpickled (what weights_only refuses)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_bin_with_code_is_refused_and_never_runs(tmp_path: Path) -> None:
+    marker = tmp_path / "code-ran"
+    torch.save({**random_weights(), "norm.weight": Payload(marker)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(
+        CheckpointError,
+        match=r"pytorch_model\.bin: holds pickled objects other than tensors.*Unsupported global",
+    ):
+        load_weights(meta_model(), tmp_path, dtype=torch.float32, progress=False)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (lambda good: good[: len(good) // 2], r"pytorch_model\.bin: not a readable PyTorch checkpoint.*zip"),
+        (lambda good: b"not a checkpoint" * 8, r"pytorch_model\.bin: not a readable PyTorch checkpoint"),
+    ],
+)
+def test_corrupt_bin(tmp_path: Path, content, message: str) -> None:
+    torch.save(random_weights(), tmp_path / "pytorch_model.bin")
+    path = tmp_path / "pytorch_model.bin"
+    path.write_bytes(content(path.read_bytes()))
+    with pytest.raises(CheckpointError, match=message):
+        load_weights(meta_model(), tmp_path, dtype=torch.float32, progress=False)
+
+
+def test_bin_that_is_not_a_state_dict(tmp_path: Path) -> None:
+    torch.save({"model": random_weights()}, tmp_path / "pytorch_model.bin")  # a training checkpoint
+    with pytest.raises(CheckpointError, match=r"pytorch_model\.bin: not a state dict"):
+        checkpoint_files(tmp_path)
+
+
+# Parts: one module tensor assembled from several checkpoint tensors
+
+
+def stacked_model() -> torch.nn.Module:
+    """A module tensor [2, HIDDEN, 2 * VOCAB] in x @ W orientation, like Llama 4's fused experts."""
+    with torch.device("meta"):
+        model = torch.nn.Module()
+        model.fused = torch.nn.Parameter(torch.empty(2, HIDDEN, 2 * VOCAB))
+    return model
+
+
+def split_rename(key: str) -> Part:
+    """ "fused.1.b" ([VOCAB, HIDDEN], [out, in]) -> fused[1, :, VOCAB:] transposed."""
+    _, n, half = key.split(".")
+    columns = slice(0, VOCAB) if half == "a" else slice(VOCAB, 2 * VOCAB)
+    return Part("fused", (int(n), slice(None), columns), transpose=True)
+
+
+def split_weights() -> dict[str, torch.Tensor]:
+    return {f"fused.{n}.{half}": torch.randn(VOCAB, HIDDEN) for n in range(2) for half in "ab"}
+
+
+def test_parts_fill_a_fused_tensor(tmp_path: Path) -> None:
+    weights = split_weights()
+    save_weights(weights, tmp_path, max_shard_bytes=VOCAB * HIDDEN * 4)  # one part per shard
+    model = stacked_model()
+    assert load_weights(model, tmp_path, dtype=torch.float64, rename=split_rename, progress=False) == {
+        "fused"
+    }
+    expected = torch.stack(
+        [torch.cat((weights[f"fused.{n}.a"].t(), weights[f"fused.{n}.b"].t()), -1) for n in range(2)]
+    )
+    assert model.fused.dtype == torch.float64
+    assert torch.equal(model.fused, expected.double())
+
+
+def test_parts_missing_or_twice(tmp_path: Path) -> None:
+    weights = split_weights()
+    del weights["fused.1.b"]
+    save_weights(weights, tmp_path)
+    with pytest.raises(
+        CheckpointError, match=r"'fused' is assembled from 3 checkpoint tensors .* cover 768 of its 1024"
+    ):
+        load_weights(stacked_model(), tmp_path, dtype=torch.float32, rename=split_rename, progress=False)
+    save_weights({**split_weights(), "fused.1.b.copy": torch.randn(VOCAB, HIDDEN)}, tmp_path)
+    rename = lambda key: split_rename(key.removesuffix(".copy"))
+    with pytest.raises(
+        CheckpointError, match=r"'fused\.1\.b' .* and 'fused\.1\.b\.copy' .* both load into 'fused'"
+    ):
+        load_weights(stacked_model(), tmp_path, dtype=torch.float32, rename=rename, progress=False)
+
+
+def test_part_shape_error_names_the_region(tmp_path: Path) -> None:
+    weights = split_weights()
+    weights["fused.0.b"] = torch.randn(VOCAB, HIDDEN + 1)
+    save_weights(weights, tmp_path)
+    with pytest.raises(
+        CheckpointError,
+        match=r"'fused\.0\.b' has shape \[9, 32\] \(transposed\) .* at \[0, :, 32:64\] expects \[8, 32\]",
+    ):
+        load_weights(stacked_model(), tmp_path, dtype=torch.float32, rename=split_rename, progress=False)
+
+
+class RecordingHook:
+    def __init__(self) -> None:
+        self.completed: list[str] = []
+
+    def dtype(self, module_key: str, on_disk: torch.dtype, default: torch.dtype) -> torch.dtype:
+        return on_disk if module_key == "fused" else default
+
+    def loaded(self, module_key: str) -> None:
+        self.completed.append(module_key)
+
+
+def test_hook_sees_each_module_tensor_once_complete(tmp_path: Path) -> None:
+    weights = {k: v.to(torch.bfloat16) for k, v in split_weights().items()}
+    save_weights(weights, tmp_path, max_shard_bytes=VOCAB * HIDDEN * 2)
+    model, hook = stacked_model(), RecordingHook()
+    load_weights(model, tmp_path, dtype=torch.float32, rename=split_rename, hook=hook, progress=False)
+    assert hook.completed == ["fused"] and model.fused.dtype == torch.bfloat16  # the hook's dtype
+
+
+def test_shard_writer_streams(tmp_path: Path) -> None:
+    """A shard goes to disk as soon as the next tensor would not fit: the writer holds one shard."""
+    writer = ShardWriter(tmp_path, max_shard_bytes=1000)
+    writer.add("a", torch.zeros(200))  # 800 bytes
+    writer.add("b", torch.zeros(200))
+    assert len(list(tmp_path.iterdir())) == 1  # "a"'s shard, under a temporary name
+    writer.add("c", torch.zeros(10))
+    writer.finish()
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == {
+        "a": "model-00001-of-00002.safetensors",
+        "b": "model-00002-of-00002.safetensors",
+        "c": "model-00002-of-00002.safetensors",
+    }
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]

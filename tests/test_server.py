@@ -4,46 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("uvicorn")
+
+from live_server import live  # noqa: E402
 
 from redline import LLM, SamplingParams  # noqa: E402
-from redline.server.app import Server, create_app  # noqa: E402
+from redline.server.app import Server  # noqa: E402
 from redline.server.engine_loop import EngineLoop, QueueFull  # noqa: E402
 from redline.server.serve import mode_settings  # noqa: E402
 
 MODEL = "tiny"
 KEY = "sk-test-key"
-
-
-@contextmanager
-def live(server: Server) -> Iterator[str]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    runner = uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning"))
-    thread = threading.Thread(target=runner.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not runner.started:
-        assert time.time() < deadline, "server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        runner.should_exit = True
-        thread.join(timeout=15)
-        sock.close()
 
 
 @pytest.fixture(scope="module")

@@ -77,7 +77,7 @@ def bench_redline(
     params = SamplingParams(max_tokens=s.max_tokens, ignore_eos=True)
     start = time.perf_counter()
     llm.generate([prompts[0]], params)
-    warmup = time.perf_counter() - start
+    warmup = llm.warmup_s + time.perf_counter() - start  # compiling every shape at start-up, then one run
     completions: list[Completion] = []
     for _ in range(s.repeats):
         for prompt in prompts:  # one at a time: batch 1, per-user latency

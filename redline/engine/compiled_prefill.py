@@ -1,10 +1,15 @@
-"""The target's prefill forward through torch.compile, at a few bucketed prompt lengths.
+"""The target's prefill forward through torch.compile, with the prompt length a dynamic dimension.
 
-A prompt of n tokens runs padded to L = prompt_bucket(n): the next power of two >= 16, at most the
-cache length. So one graph serves every prompt length in (L / 2, L], and a server meets about
-log2(max_len) of them. The padding is harmless by the cache's own rule (layers/attention.py): the
-padded tokens take positions n .. L - 1, each real query attends only keys at or before its position,
-and every cache position >= n is written again (by the decode step, before any query reads it).
+A prompt of n tokens runs padded to L = padded_prompt_len(n): a multiple of 16 (at least 16, at most
+the cache length), so lengths 0 and 1, which dynamo would specialize on, never reach the graph. The
+length is marked dynamic, so one graph serves every L; a model whose forward branches on the token
+count (a Llama 4 MoE layer takes its few-token path up to num_experts / top_k tokens) gets one graph
+per side of that branch. ModelRunner.warm_up compiles them all at start-up by running L = 16, 32,
+64, ... and the cache length; after `freeze()` a call that would compile raises.
+
+The padding is harmless by the cache's own rule (layers/attention.py): the padded tokens take
+positions n .. L - 1, each real query attends only keys at or before its position, and every cache
+position >= n is written again (by the decode step, before any query reads it).
 Example: n = 20 -> L = 32; tokens [t0 .. t19, 0 x 12] at positions 0 .. 31; hidden[:, :20] is kept.
 
 The slot is not a graph input: each slot has its own views of the cache, `k[s : s + 1]`, which the
@@ -20,15 +25,21 @@ import torch.nn.functional as F
 from redline.engine.kv_cache import KVCache
 from redline.models.llama import KVLayer, LlamaForCausalLM
 
-MIN_BUCKET = 16
+ALIGN = 16
 
 
-def prompt_bucket(n: int, cache_len: int) -> int:
-    """Padded prompt length: 5 -> 16, 20 -> 32, 33 -> 64; capped at cache_len (n <= cache_len)."""
-    bucket = MIN_BUCKET
-    while bucket < n:
-        bucket *= 2
-    return min(bucket, cache_len)
+def padded_prompt_len(n: int, cache_len: int) -> int:
+    """5 -> 16, 20 -> 32, 33 -> 48; capped at cache_len (n <= cache_len)."""
+    return min(max(ALIGN, -(-n // ALIGN) * ALIGN), cache_len)
+
+
+def warm_up_lengths(cache_len: int) -> list[int]:
+    """Padded lengths that visit both sides of any token-count branch: 16, 32, 64, ..., cache_len."""
+    lengths, n = [], ALIGN
+    while n < cache_len:
+        lengths.append(n)
+        n *= 2
+    return [*lengths, cache_len]
 
 
 class CompiledPrefill:
@@ -38,11 +49,18 @@ class CompiledPrefill:
             [(k[s : s + 1], v[s : s + 1]) for k, v in cache.layers] for s in range(cache.slots)
         ]
         self.compiled = torch.compile(self._forward, fullgraph=True, dynamic=False)
+        self.frozen = False
 
     def _forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor, cache: list[KVLayer], kv_len: int
+        self, tokens: torch.Tensor, cache: list[KVLayer]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self.model(tokens, positions, cache, 0, kv_len)
+        length = tokens.shape[1]
+        positions = torch.arange(length, device=tokens.device)[None]
+        return self.model(tokens, positions, cache, 0, length)
+
+    def freeze(self) -> None:
+        """From now on a call that would compile raises instead."""
+        self.frozen = True
 
     def __call__(
         self,
@@ -50,11 +68,13 @@ class CompiledPrefill:
         slot: int,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model's (hidden [1, n, H], aux [1, n, A] or None) for the prompt, its keys and values
-        written into `slot`. One graph per padded length (its kv bucket follows from it)."""
+        written into `slot` at positions 0 .. n - 1 (and padding beyond)."""
         n = tokens.shape[1]
-        padded_len = prompt_bucket(n, self.cache.max_len)
-        padded = F.pad(tokens, (0, padded_len - n))  # [1, L], padded with token 0
-        positions = torch.arange(padded_len, device=tokens.device)[None]
-        kv_len = self.cache.kv_len_for(padded_len)
-        hidden, aux = self.compiled(padded, positions, self.slot_views[slot], kv_len)
+        padded = F.pad(tokens, (0, padded_prompt_len(n, self.cache.max_len) - n))  # [1, L], token 0
+        # maybe_: a forward may branch on the length (a Llama 4 MoE layer's few-token path while n * top_k
+        # <= experts), which narrows the range; each side then gets its own graph (warm_up_lengths visits
+        # both), where mark_dynamic(min=16) would raise ConstraintViolationError
+        torch._dynamo.maybe_mark_dynamic(padded, 1)
+        with torch.compiler.set_stance("fail_on_recompile" if self.frozen else "default"):
+            hidden, aux = self.compiled(padded, self.slot_views[slot])
         return hidden[:, :n], None if aux is None else aux[:, :n]

@@ -2,8 +2,10 @@
 
 The step reads and writes only persistent tensors (weights, KV caches, decode state, sampling
 parameters) and draws its random numbers from a hash, so a captured graph replays it exactly. The
-warm-up runs before capture advance the decode state; it is saved and restored around them (KV
-entries they write lie at positions the real step rewrites before reading).
+keys are known up front (ModelRunner.step_keys) and captured at start-up (ModelRunner.warm_up);
+after `freeze()` a key without a graph raises instead of capturing while requests are in flight.
+The warm-up runs before a capture advance the decode state; it is saved and restored around them
+(KV entries they write lie at positions the real step rewrites before reading).
 """
 
 from __future__ import annotations
@@ -22,10 +24,16 @@ class GraphedStep:
         self.step, self.state, self.warmup = step, state, warmup
         self.graphs: dict[Key, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        self.frozen = False
+
+    def freeze(self) -> None:
+        self.frozen = True
 
     def __call__(self, rows: int, kv_len: int, any_sampling: bool) -> torch.Tensor:
         key = (rows, kv_len, any_sampling)
         if key not in self.graphs:
+            if self.frozen:
+                raise RuntimeError(f"decode step {key} (rows, kv_len, sampling) was not captured at warm-up")
             self.graphs[key] = self._capture(key)
         graph, out = self.graphs[key]
         graph.replay()

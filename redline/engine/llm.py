@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 
 from redline.config import ModelConfig
+from redline.engine.failures import GenerationError
 from redline.engine.request import Completion, Request
 from redline.engine.runner import ModelRunner
 from redline.engine.scheduler import Scheduler
@@ -54,6 +56,9 @@ def _generation_eos(model_dir: Path) -> list[int]:
 
 
 class Stream:
+    """One request's text piece by piece. If the engine fails the request, iteration raises
+    GenerationError after the pieces it produced; `completion` then has finish_reason "error"."""
+
     def __init__(self, scheduler: Scheduler, request: Request):
         self._scheduler, self._request = scheduler, request
 
@@ -67,6 +72,8 @@ class Stream:
         finally:
             if not request.finished:
                 self._scheduler.cancel(request)
+        if request.finish_reason == "error":
+            raise GenerationError([request.completion()])
 
     @property
     def completion(self) -> Completion:
@@ -87,10 +94,13 @@ class LLM:
         quantization: str | None = None,
         pdl: bool = False,
         kv_cache_dtype: str | None = None,
+        progress: bool = True,
     ):
         """dtype "fp8" means bfloat16 activations with FP8 weights (quantization="fp8"); pdl launches the
         Triton kernels with programmatic dependent launch (Hopper or newer GPUs); kv_cache_dtype "fp8"
-        stores keys and values in e4m3 (scale 1), half the bytes of bf16."""
+        stores keys and values in e4m3 (scale 1), half the bytes of bf16. With compile (or on CUDA, where
+        every step shape is captured as a CUDA graph) construction compiles and captures every shape the
+        engine can meet, with a progress bar unless progress=False; `warmup_s` says how long it took."""
         model_dir = Path(model)
         if dtype == "fp8":
             dtype, quantization = "bfloat16", "fp8"
@@ -122,6 +132,11 @@ class LLM:
             pdl,
             _kv_dtype(kv_cache_dtype),
         )
+        self.warmup_s = 0.0  # compiling and capturing every prefill and step shape, before any request
+        if self.runner.needs_warm_up:
+            start = time.perf_counter()
+            self.runner.warm_up(progress=progress)
+            self.warmup_s = time.perf_counter() - start
         self.scheduler = Scheduler(self.runner)
 
     def generate(
@@ -130,7 +145,9 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[Completion]:
         """Completes each prompt (text or token ids), with one SamplingParams for all or one per prompt;
-        continuous batching over `max_batch` slots."""
+        continuous batching over `max_batch` slots. A request the engine fails (e.g. out of memory in its
+        prefill) fails alone: the others run to the end, then GenerationError is raised with every
+        completion in `.completions` (the failed ones with finish_reason "error" and the message)."""
         prompts = self._prompt_list(prompts)
         per_prompt = params if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
         if len(per_prompt) != len(prompts):
@@ -140,7 +157,10 @@ class LLM:
             self.scheduler.add(request)
         while self.scheduler.has_work:
             self.scheduler.step()
-        return [r.completion() for r in requests]
+        completions = [r.completion() for r in requests]
+        if any(c.finish_reason == "error" for c in completions):
+            raise GenerationError(completions)
+        return completions
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Stream:
         """Iterate for the completion's text piece by piece; `.completion` holds the result afterwards."""

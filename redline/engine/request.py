@@ -14,7 +14,7 @@ from redline.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokeniz
 class Completion:
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" (eos or a stop string), "length", or "cancelled"
+    finish_reason: str  # "stop" (eos or a stop string), "length", "cancelled", or "error"
     prompt_tokens: int
     ttft_s: float  # arrival to first token
     latency_s: float  # arrival to last token
@@ -22,13 +22,14 @@ class Completion:
     acceptance_length: float | None = None  # speculation: mean tokens emitted per decode step
     acceptance_rates: list[float] | None = None  # per draft position: fraction of steps accepting it
     decode_steps: int = 0  # steps after prefill that produced this completion's tokens
+    error: str | None = None  # why the engine failed this request (finish_reason "error")
 
     @property
     def completion_tokens(self) -> int:
         return len(self.token_ids)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler finds requests in its queue and slots
 class Request:
     prompt_ids: list[int]
     params: SamplingParams
@@ -39,6 +40,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    error: str | None = None
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -104,6 +106,12 @@ class Request:
             self.finish_reason = "cancelled"
             self.finished_at = time.perf_counter()
 
+    def fail(self, message: str) -> None:
+        """Ends the request with finish_reason "error" and `message` (nothing changes once finished)."""
+        if not self.finished:
+            self.finish_reason, self.error = "error", message
+            self.finished_at = time.perf_counter()
+
     def completion(self) -> Completion:
         end = self.finished_at or time.perf_counter()
         first = self.first_token_at or end
@@ -120,6 +128,7 @@ class Request:
             latency_s=latency,
             tokens_per_s=(n - 1) / decode_time if n > 1 and decode_time > 0 else float("nan"),
             decode_steps=self.steps,
+            error=self.error,
             **self.acceptance(),
         )
 

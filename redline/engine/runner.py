@@ -1,7 +1,9 @@
 """Owns the device side: model(s), KV caches, per-slot decode state and sampling parameters.
 
 prefill() runs one prompt into a slot (outside the captured step); decode() runs the step for the
-slots in use and copies its output to the host once.
+slots in use and copies its output to the host once. Every shape the step can run at is known when
+the runner is built (step_keys); with compile or CUDA graphs, warm_up() compiles and captures them all
+before the first request, so nothing compiles while serving.
 """
 
 from __future__ import annotations
@@ -9,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from tqdm import tqdm
 
-from redline.engine.compiled_prefill import CompiledPrefill
+from redline.engine.compiled_prefill import CompiledPrefill, warm_up_lengths
+from redline.engine.compiled_step import CompiledStep
 from redline.engine.cuda_graphs import GraphedStep
-from redline.engine.guard_skipping import GuardSkippingStep
 from redline.engine.kv_cache import KVCache
 from redline.kernels.select import pdl_supported, select_cpu_paths, select_kernels, triton_by_default
 from redline.models.eagle3 import Eagle3Draft
@@ -41,6 +44,7 @@ class ModelRunner:
         compile: bool = False,
         pdl: bool = False,
         kv_cache_dtype: torch.dtype | None = None,  # None: the model's dtype; torch.float8_e4m3fn halves it
+        cuda_graphs: bool | None = None,  # None: on CUDA devices
     ):
         self.model, self.draft = model, draft
         self.k = num_draft_tokens if draft is not None else 0
@@ -71,14 +75,22 @@ class ModelRunner:
         self.step = DecodeStep(model, draft, self.k, self.cache, self.draft_cache, self.state, self.sampling)
         run: Callable[[int, int, bool], torch.Tensor] = self.step
         self.compiled_prefill = CompiledPrefill(model, self.cache) if compile else None
-        if compile:
-            # one graph per (batch bucket, kv bucket, sampling): up to ~4 x 8 x 2 shapes
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            run = GuardSkippingStep(torch.compile(run, fullgraph=True, dynamic=False))
-        if self.device.type == "cuda":
-            run = GraphedStep(run, self.state)
+        self.compiled_step = CompiledStep(run, self.cache_len, self.device) if compile else None
+        if self.compiled_step is not None:
+            run = self.compiled_step
+            limit = len({(rows, sampling) for rows, _, sampling in self.step_keys()})
+            limit += 2 * len(warm_up_lengths(self.cache_len))  # prefill: at most one graph per branch
+            # dynamo's limit counts per function, and every runner's graphs hang off the same functions
+            dynamo = torch._dynamo.config
+            dynamo.recompile_limit += limit
+            dynamo.accumulated_recompile_limit = max(
+                dynamo.accumulated_recompile_limit, dynamo.recompile_limit
+            )
+        self.graphed_step = None
+        if cuda_graphs if cuda_graphs is not None else self.device.type == "cuda":
+            run = self.graphed_step = GraphedStep(run, self.state)
         self._run_step = run
-        pin = self.device.type == "cuda"
+        pin = self.device.type == "cuda" and torch.cuda.is_available()
         self._host_out = torch.zeros((slots, self.k + 2), dtype=torch.int64, pin_memory=pin)
 
     @property
@@ -89,9 +101,50 @@ class ModelRunner:
         """Cache positions a forward must see when the furthest slot's pending token sits at last_position."""
         return self.cache.kv_len_for(last_position + 2 * self.k + 1)
 
+    def step_keys(self) -> list[tuple[int, int, bool]]:
+        """Every (rows, kv_len, sampling) the scheduler can ask for: rows a batch bucket (1, 2, 4, ...,
+        slots), kv_len a kv bucket (64, 128, ..., cache_len). 16 slots x 4,096 tokens, K = 3: 5 x 8 x 2."""
+        rows = sorted({batch_bucket(n, self.slots) for n in range(1, self.slots + 1)})
+        kv_lens = sorted({self.kv_len_for(p) for p in range(self.cache_len - 2 * self.k)})
+        return [(r, kv, sampling) for r in rows for kv in kv_lens for sampling in (False, True)]
+
+    @property
+    def needs_warm_up(self) -> bool:
+        return (
+            self.compiled_prefill is not None
+            or self.compiled_step is not None
+            or self.graphed_step is not None
+        )
+
+    @torch.inference_mode()
+    def warm_up(self, progress: bool = True) -> None:
+        """Compiles the prefill and every step shape (and captures each as a CUDA graph), then forbids
+        new ones. Runs before any request: free slots compute at position 0 and never advance, and the
+        KV entries written are rewritten before they are read."""
+        work: list[tuple[str, Callable[[], object]]] = []
+        if self.compiled_prefill is not None:
+            prefill = self.compiled_prefill
+            for n in warm_up_lengths(self.cache_len):
+                tokens = torch.zeros((1, n), dtype=torch.int64, device=self.device)
+                work.append((f"prefill {n}", lambda tokens=tokens: prefill(tokens, 0)))
+        for rows, kv_len, sampling in self.step_keys():
+            work.append((f"step {rows}x{kv_len}", lambda k=(rows, kv_len, sampling): self._run_step(*k)))
+        with tqdm(work, desc="compiling" if self.compiled_step else "capturing", disable=not progress) as bar:
+            for name, run in bar:
+                bar.set_postfix_str(name)
+                run()
+        for stage in (self.compiled_prefill, self.compiled_step, self.graphed_step):
+            if stage is not None:
+                stage.freeze()
+
     @torch.inference_mode()
     def prefill(self, slot: int, prompt_ids: list[int], params: SamplingParams, seed: int) -> int:
         """Runs the prompt into `slot`, primes the draft, and returns the first generated token."""
+        return int(self.prefill_on_device(slot, prompt_ids, params, seed))
+
+    def prefill_on_device(
+        self, slot: int, prompt_ids: list[int], params: SamplingParams, seed: int
+    ) -> torch.Tensor:  # [1, 1] the first generated token, on the device (no host sync)
         n = len(prompt_ids)
         self._set_sampling(slot, params, seed)
         row = self.sampling.rows(slot, slot + 1)
@@ -127,12 +180,16 @@ class ModelRunner:
         self.state.pending[slot] = pending[0]
         self.state.pos[slot] = n
         self.state.active[slot] = True
-        return int(first)
+        return first
+
+    def run_step(self, rows: int, kv_len: int, any_sampling: bool) -> torch.Tensor:
+        """One step over slots [0, rows) on the device: [rows, K + 2], emitted tokens then n_acc."""
+        return self._run_step(rows, kv_len, any_sampling)
 
     @torch.inference_mode()
     def decode(self, rows: int, last_position: int) -> list[list[int]]:
         """One step over slots [0, rows). Returns per row its emitted tokens followed by n_acc."""
-        out = self._run_step(rows, self.kv_len_for(last_position), bool(self.sampling_slots))
+        out = self.run_step(rows, self.kv_len_for(last_position), bool(self.sampling_slots))
         host = self._host_out[:rows]
         host.copy_(out, non_blocking=True)
         if self.device.type == "cuda":

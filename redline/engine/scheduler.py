@@ -1,11 +1,24 @@
-"""Continuous batching: requests join free slots at step boundaries and leave as soon as they finish."""
+"""Continuous batching: requests join free slots at step boundaries and leave as soon as they finish.
+
+A failure ends only the requests it touched: a prefill (or its first token) that raises fails its own
+request, a decode step that raises fails the requests in the step; their slots are freed and the
+others go on. An error that leaves the device unusable (failures.device_unusable) fails every request,
+and the scheduler refuses new ones from then on (`unusable` says why).
+"""
 
 from __future__ import annotations
 
+import logging
 from collections import deque
+from collections.abc import Iterable
 
+from redline.engine.failures import DeviceUnusableError, describe, device_unusable
 from redline.engine.request import Request
 from redline.engine.runner import ModelRunner, batch_bucket
+
+log = logging.getLogger("redline.engine")
+
+Events = list[tuple[Request, str]]
 
 
 class Scheduler:
@@ -13,43 +26,89 @@ class Scheduler:
         self.runner = runner
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # slot -> request
+        self.unusable: str | None = None  # why the device can run nothing more, once it cannot
 
     def add(self, request: Request) -> None:
+        if self.unusable is not None:
+            raise DeviceUnusableError(f"the device is unusable after an earlier error: {self.unusable}")
         self.waiting.append(request)
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def step(self) -> list[tuple[Request, str]]:
+    def step(self) -> Events:
         """Admits waiting requests into free slots (prefill), then decodes one step for all of them.
-        Returns (request, new text) for every request that received tokens."""
-        events = []
+        Returns (request, new text) for every request that received tokens or finished, failed ones too."""
+        events: Events = []
         free = [s for s in range(self.runner.slots) if s not in self.running]
-        while self.waiting and free:
+        while self.waiting and free and self.unusable is None:
             request = self.waiting.popleft()
-            request.slot = free.pop(0)
-            first = self.runner.prefill(request.slot, request.prompt_ids, request.params, request.seed)
-            events.append((request, request.accept([first])))
+            request.slot = slot = free.pop(0)
+            try:
+                first = self.runner.prefill(slot, request.prompt_ids, request.params, request.seed)
+                events.append((request, request.accept([first])))
+            except Exception as error:
+                self._failed("prefill", error, [request], events)
+                free.insert(0, slot)
+                continue
             self._admit_or_finish(request)
-        if self.running:
-            rows = batch_bucket(max(self.running) + 1, self.runner.slots)
-            last_position = max(r.position for r in self.running.values())
+        if self.running and self.unusable is None:
+            self._decode(events)
+        return events
+
+    def _decode(self, events: Events) -> None:
+        rows = batch_bucket(max(self.running) + 1, self.runner.slots)
+        last_position = max(r.position for r in self.running.values())
+        try:
             out = self.runner.decode(rows, last_position)
-            for slot, request in list(self.running.items()):
+        except Exception as error:
+            self._failed("decode step", error, list(self.running.values()), events)
+            return
+        for slot, request in list(self.running.items()):
+            try:
                 *emitted, n_acc = out[slot]
                 request.record_step(n_acc)
                 events.append((request, request.accept(emitted[: n_acc + 1])))
-                if request.finished:
-                    self._free(slot)
-        return events
+            except Exception as error:
+                self._failed("decode output", error, [request], events)
+                continue
+            if request.finished:
+                self._free(slot)
 
     def cancel(self, request: Request) -> None:
+        self._remove(request)
+        request.cancel()
+
+    def fail(self, request: Request, message: str) -> None:
+        """Ends an unfinished request with finish_reason "error": out of the queue, or out of its slot
+        (freed on the device unless the device is unusable)."""
+        if request.finished:
+            return
+        self._remove(request)
+        request.fail(message)
+
+    def _failed(self, stage: str, error: Exception, requests: Iterable[Request], events: Events) -> None:
+        """Fails `requests` for `error` (every request when it left the device unusable)."""
+        message = describe(stage, error)
+        log.error("%s; failing the requests in it", message, exc_info=error)
+        if device_unusable(error):
+            self.unusable = message
+            requests = [*requests, *self.waiting, *self.running.values()]
+        for request in dict.fromkeys(requests):
+            if not request.finished:
+                self.fail(request, message)
+                events.append((request, ""))
+
+    def _remove(self, request: Request) -> None:
+        """Takes an unfinished request out of the queue or its slot; a slot is freed on the device."""
         if request in self.waiting:
             self.waiting.remove(request)
-        elif request.slot is not None and self.running.get(request.slot) is request:
-            self._free(request.slot)
-        request.cancel()
+        elif request.slot is not None and not request.finished:
+            if self.running.get(request.slot) is request:
+                del self.running[request.slot]
+            if self.unusable is None:
+                self.runner.release(request.slot)
 
     def _admit_or_finish(self, request: Request) -> None:
         assert request.slot is not None

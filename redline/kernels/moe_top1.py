@@ -12,6 +12,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch.library import triton_op
+
+from redline.kernels.launch import traceable
 
 
 def moe_top1_reference(
@@ -89,6 +92,7 @@ def _down_kernel(
     tl.store(out_ptr + n * hidden + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
+@triton_op("redline::moe_top1", mutates_args=())
 def moe_top1(
     x: torch.Tensor,
     expert: torch.Tensor,
@@ -102,10 +106,10 @@ def moe_top1(
     inter = down.shape[1]
     act = torch.empty(n, inter, dtype=torch.float32, device=x.device)
     out = torch.empty_like(x)
-    _gate_up_kernel[(n, triton.cdiv(inter, block_j))](
+    traceable(_gate_up_kernel)[(n, triton.cdiv(inter, block_j))](
         x, expert, weight, gate_up, act, hidden, inter, BLOCK_K=block_k, BLOCK_J=block_j
     )
-    _down_kernel[(n, triton.cdiv(hidden, block_j))](
+    traceable(_down_kernel)[(n, triton.cdiv(hidden, block_j))](
         act, expert, down, out, hidden, inter, BLOCK_K=block_k, BLOCK_J=block_j
     )
     return out

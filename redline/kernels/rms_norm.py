@@ -10,6 +10,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.library import triton_op
+
+from redline.kernels.launch import traceable
 
 
 def add_rms_norm_reference(
@@ -58,11 +61,21 @@ def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, quantize: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """(out, residual', (q, scale [M, 1]) or None) for contiguous x, residual [M, N]."""
+    out, total, q, scale = add_rms_norm_op(x, residual, weight, eps, quantize)
+    return out, total, (q, scale) if quantize else None
+
+
+@triton_op("redline::add_rms_norm", mutates_args=())
+def add_rms_norm_op(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, quantize: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, residual', q, scale); without quantize, q and scale are empty (an op's outputs are distinct
+    tensors, so they cannot stand in as aliases of out)."""
     m, n = x.shape
     out, res_out = torch.empty_like(x), torch.empty_like(x)
-    q = torch.empty(m, n, dtype=torch.float8_e4m3fn, device=x.device) if quantize else out
-    scale = torch.empty(m, 1, dtype=torch.float32, device=x.device) if quantize else out
-    _add_rms_norm_kernel[(m,)](
+    q = torch.empty(m if quantize else 0, n, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(m if quantize else 0, 1, dtype=torch.float32, device=x.device)
+    traceable(_add_rms_norm_kernel)[(m,)](
         x,
         residual if residual is not None else x,
         weight,
@@ -76,4 +89,4 @@ def add_rms_norm(
         QUANTIZE=quantize,
         BLOCK=triton.next_power_of_2(n),
     )
-    return out, res_out, (q, scale) if quantize else None
+    return out, res_out, q, scale

@@ -59,21 +59,24 @@ def fused_add_norm(
 
 
 def select_kernels(model: nn.Module, triton: bool, pdl: bool = False) -> None:
-    """With triton: cached attention through the split-KV kernel (launched with programmatic dependent
-    launch when pdl), the residual add + post-attention RMSNorm fused, and dense MLPs as one gate/up
-    GEMM + the SwiGLU kernel, and top-1 MoE layers through the dispatch kernel that reads only the chosen
-    experts' weights; else SDPA and torch ops."""
-    attention = add_norm = swiglu = top1 = None
+    """With triton: cached attention through the Triton kernels (split-KV for a decode step, launched with
+    programmatic dependent launch when pdl; flash-attention forward for prompts), the residual add +
+    post-attention RMSNorm fused, dense MLPs as one gate/up GEMM + the SwiGLU kernel, and top-1 MoE
+    layers through the dispatch kernel that reads only the chosen experts' weights; else SDPA and torch
+    ops. Every kernel is a torch.library.triton_op (kernels/launch.py)."""
+    step = prefill = add_norm = swiglu = top1 = None
     if triton:
         from redline.kernels.decode_attention import decode_attention
         from redline.kernels.moe_top1 import moe_top1 as top1
+        from redline.kernels.prefill_attention import prefill_attention
         from redline.kernels.swiglu import swiglu
 
-        attention = functools.partial(decode_attention, pdl=pdl)
+        step = functools.partial(decode_attention, pdl=pdl)
+        prefill = functools.partial(prefill_attention, **prefill_tiles(next(model.parameters()).dtype))
         add_norm = fused_add_norm
     for module in model.modules():
         if isinstance(module, Attention):
-            module.split_kv = attention
+            module.step_kernel, module.prefill_kernel = step, prefill
         elif isinstance(module, DecoderLayer):
             module.add_norm = add_norm
         elif isinstance(module, MLP):
@@ -81,3 +84,11 @@ def select_kernels(model: nn.Module, triton: bool, pdl: bool = False) -> None:
         elif isinstance(module, MoE):
             plain = module.top_k == 1 and type(module.experts) is Experts  # not FP8 experts
             module.top1 = top1 if plain else None
+
+
+def prefill_tiles(dtype: torch.dtype) -> dict[str, int]:
+    """Query x key tile of the prefill kernel: 128 x 64 for 16-bit models (flash-attention's forward
+    tile on Hopper, 8 warps); 64 x 32 in fp32, whose tiles take twice the registers and shared memory."""
+    if dtype.itemsize <= 2:
+        return {"block_m": 128, "block_n": 64}
+    return {"block_m": 64, "block_n": 32}

@@ -9,6 +9,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch.library import triton_op
+
+from redline.kernels.launch import traceable
 
 
 def swiglu_reference(gate_up: torch.Tensor) -> torch.Tensor:  # [M, 2I] -> [M, I]
@@ -27,10 +30,11 @@ def _swiglu_kernel(in_ptr, out_ptr, inter, BLOCK: tl.constexpr):
     tl.store(out_ptr + row * inter + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton_op("redline::swiglu", mutates_args=())
 def swiglu(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:  # contiguous [M, 2I] -> [M, I]
     m, two_i = gate_up.shape
     inter = two_i // 2
     out = torch.empty(m, inter, dtype=gate_up.dtype, device=gate_up.device)
     block = min(block, triton.next_power_of_2(inter))
-    _swiglu_kernel[(m, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block)
+    traceable(_swiglu_kernel)[(m, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block)
     return out

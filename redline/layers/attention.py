@@ -11,9 +11,13 @@ from torch import nn
 from redline.config import ModelConfig
 from redline.layers.linear import Linear
 from redline.layers.norm import rms_normalize
-from redline.layers.reduced_attention import sdpa_attention
+from redline.layers.reduced_attention import STEP_QUERIES, sdpa_attention
 from redline.layers.rotary import Rotary
 from redline.quant.fp8 import FP8, FP8_MAX
+
+# (q [B, T, Hq, D], k_cache, v_cache [slots, Hkv, L, D], positions [B, T], slot_start, kv_len, chunk)
+#   -> [B, T, Hq, D]: attention of the T queries over cache positions [0, kv_len) of their slots
+CachedAttention = Callable[..., torch.Tensor]
 
 
 @dataclass
@@ -76,9 +80,12 @@ class Attention(nn.Module):
         self.chunked = config.is_chunked_layer(layer)
         self.qk_norm_eps = config.rms_norm_eps if (config.use_qk_norm and self.use_rope) else None
         self.temperature_tuning = config.attn_temperature_tuning and not self.use_rope
-        self.chunk = config.attention_chunk_size if self.chunked else 0  # for the split-KV kernel
-        # cached attention kernel: None = SDPA over the cache slice; kernels.select sets the Triton one
-        self.split_kv: Callable[..., torch.Tensor] | None = None
+        self.chunk = config.attention_chunk_size if self.chunked else 0  # for the cached kernels
+        # Cached attention kernels that read the cache themselves; None: SDPA over the cache slice.
+        # kernels.select sets the Triton ones: split-KV for a decode step's few queries, flash-attention
+        # forward for prompts. Which one is a Python branch on the static query count (see forward).
+        self.step_kernel: CachedAttention | None = None
+        self.prefill_kernel: CachedAttention | None = None
         # (q [B, T, Hq, D], keys, values [B, Hkv, S, D], mask [B or 1, 1, T, S]) -> [B, T, Hq, D];
         # kernels.select sets layers/reduced_attention.py's form for compiled steps on CPU
         self.core: Callable[..., torch.Tensor] = sdpa_attention
@@ -94,8 +101,11 @@ class Attention(nn.Module):
             keys, values = k.transpose(1, 2), v.transpose(1, 2)
         else:
             self._write(cache, k, v, batch)
-            if self.split_kv is not None:  # the Triton split-KV kernel reads the cache itself
-                out = self.split_kv(q, *cache, batch.positions, batch.slot_start, batch.kv_len, self.chunk)
+            # A decode step has K + 1 <= STEP_QUERIES queries, a static int; a compiled prefill's length
+            # is a dynamic dimension >= 16, which this comparison never specializes.
+            kernel = self.step_kernel if x.shape[1] <= STEP_QUERIES else self.prefill_kernel
+            if kernel is not None:
+                out = kernel(q, *cache, batch.positions, batch.slot_start, batch.kv_len, self.chunk)
                 return self.o_proj(out.reshape(*x.shape[:2], -1))
             keys, values = (
                 c[batch.slot_start : batch.slot_start + x.shape[0], :, : batch.kv_len].to(k.dtype)

@@ -1,4 +1,9 @@
-"""Llama 4 mixture of experts: top-k sigmoid router, routing weight on the expert input, shared expert."""
+"""Llama 4 mixture of experts: top-k sigmoid router, routing weight on the expert input, shared expert.
+
+Few tokens (decode: N * top_k <= E) gather each row's chosen expert weights. Many tokens (prefill) sort
+the N * top_k (token, choice) pairs by expert and run one grouped GEMM over the contiguous groups
+(layers/grouped_mm.py), so the work is proportional to N * top_k, not to N * E.
+"""
 
 from collections.abc import Callable
 
@@ -6,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from redline.layers.grouped_mm import grouped_mm
 from redline.layers.linear import Linear
 from redline.layers.mlp import MLP
 
@@ -26,10 +32,44 @@ class Experts(nn.Module):
         gate, up = torch.bmm(x[:, None, :], self.gate_up_proj[expert]).chunk(2, dim=-1)
         return torch.bmm(F.silu(gate) * up, self.down_proj[expert])[:, 0]
 
-    def forward_all(self, x: torch.Tensor) -> torch.Tensor:
-        """Every expert over its own copy of the tokens. x [E, N, hidden] -> [E, N, hidden]"""
-        gate, up = torch.bmm(x, self.gate_up_proj).chunk(2, dim=-1)
-        return torch.bmm(F.silu(gate) * up, self.down_proj)
+    def forward_grouped(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """Rows grouped by expert, each group through its expert: x [M, hidden] sorted by expert,
+        offs [E] int32 group ends (offs[E-1] == M) -> [M, hidden]"""
+        gate, up = grouped_mm(x, self.gate_up_proj, offs).chunk(2, dim=-1)
+        return grouped_mm(F.silu(gate) * up, self.down_proj, offs)
+
+
+def sort_by_expert(expert: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The order that groups pairs by expert (stable) and each expert's group end.
+
+    expert [P] -> order [P] (pair indices, grouped by expert), offs [E] int32
+    e.g. expert = [2, 0, 2, 0, 3], E = 4: order = [1, 3, 0, 2, 4] (sorted experts [0, 0, 2, 2, 3]);
+    offs[e] = number of sorted experts <= e = [2, 2, 4, 5] (expert 1 owns rows 2:2, none)
+    """
+    sorted_expert, order = torch.sort(expert, stable=True)
+    ids = torch.arange(num_experts, device=expert.device, dtype=expert.dtype)
+    return order, torch.searchsorted(sorted_expert, ids, right=True, out_int32=True)
+
+
+def routed_sorted(
+    x: torch.Tensor,  # [N, hidden]
+    top_expert: torch.Tensor,  # [N, k] chosen experts
+    weight: torch.Tensor,  # [N, k] routing weights, x's dtype
+    experts: nn.Module,  # forward_grouped(x [M, hidden] sorted, offs [E]) -> [M, hidden]
+    num_experts: int,
+) -> torch.Tensor:  # [N, hidden]: sum over j of expert top_expert[:, j] applied to weight[:, j] * x
+    """Every (token, choice) pair through its expert in one grouped pass; cost proportional to N * k.
+
+    Pair p = r * k + j is token r's j-th choice. Example, k = 2, top_expert = [[1, 0], [1, 2]]:
+    pairs' experts [1, 0, 1, 2] -> order [1, 0, 2, 3], tokens order // k = [0, 0, 1, 1];
+    outputs come back to pair positions through order, then [N, k, hidden] sums over k.
+    """
+    n, k = top_expert.shape
+    order, offs = sort_by_expert(top_expert.reshape(-1), num_experts)
+    routed_in = x[order // k] * weight.reshape(-1, 1)[order]  # [N * k, hidden], grouped by expert
+    out = experts.forward_grouped(routed_in, offs)
+    by_pair = torch.empty_like(out).index_copy_(0, order, out)  # by_pair[order[i]] = out[i]
+    return by_pair.view(n, k, -1).sum(dim=1)
 
 
 class MoE(nn.Module):
@@ -59,8 +99,5 @@ class MoE(nn.Module):
             routed = self.experts.forward_selected(routed_in, top_expert.reshape(-1))
             routed = routed.view(n, self.top_k, -1).sum(dim=1)
         else:
-            # Many tokens (prefill): all experts, each token scaled by its weight there (0 where unchosen).
-            dense_weight = torch.zeros(n, self.num_experts, dtype=x.dtype, device=x.device)
-            dense_weight.scatter_(1, top_expert, weight)
-            routed = self.experts.forward_all(x[None] * dense_weight.T[:, :, None]).sum(dim=0)
+            routed = routed_sorted(x, top_expert, weight, self.experts, self.num_experts)
         return (self.shared_expert(x) + routed).view(shape)

@@ -4,7 +4,7 @@ SDPA's CPU kernel costs ~100 us per call for one query over 64 keys (BENCHMARKS.
 decode"), more than the layer's weights take to stream. Written as broadcast products and sums,
 inductor fuses scores, mask, softmax and the weighted sum into loops inside the step's one C++
 kernel. Eager torch would materialize the [B, Hkv, G, T, S, D] products, so outside a compiled graph
-this is SDPA, and so are forwards of more than FEW_QUERIES queries (prefill), where SDPA's
+this is SDPA, and so are forwards of more than STEP_QUERIES queries (prefill), where SDPA's
 flash kernel is the faster.
 
 GQA by grouping: query head h reads kv head h // G (G = Hq / Hkv), so q [B, T, Hq, D] is viewed as
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-FEW_QUERIES = 8
+STEP_QUERIES = 9  # a decode step's queries: K + 1, K <= 8 draft tokens; more is a prompt
 
 
 def sdpa_attention(
@@ -26,6 +26,10 @@ def sdpa_attention(
     values: torch.Tensor,  # [B, Hkv, S, D]
     mask: torch.Tensor,  # [B or 1, 1, T, S] bool, True = attend
 ) -> torch.Tensor:  # [B, T, Hq, D]
+    """On CPU (torch 2.13) SDPA runs this, GQA and boolean mask included, in its flash kernel: the mask
+    becomes one additive fp32 [B, 1, T, S] plane and no [B, Hq, T, S] scores exist (a 4,000-token prompt:
+    tests/test_long_prompt.py). CUDA prompts take the Triton kernel instead (kernels/prefill_attention.py
+    says why)."""
     out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
     return out.transpose(1, 2)
 
@@ -36,7 +40,7 @@ def attention_by_reductions(
     values: torch.Tensor,  # [B, Hkv, S, D]
     mask: torch.Tensor,  # [B or 1, 1, T, S] bool; every query attends to at least its own position
 ) -> torch.Tensor:  # [B, T, Hq, D], as sdpa_attention (fp32 scores and softmax)
-    if not torch.compiler.is_compiling() or q.shape[1] > FEW_QUERIES:
+    if not torch.compiler.is_compiling() or q.shape[1] > STEP_QUERIES:
         return sdpa_attention(q, keys, values, mask)
     b, t, hq, d = q.shape
     hkv = keys.shape[1]

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
 
 from redline.config import ModelConfig
+from redline.models.expert_layout import per_expert_part
 from redline.models.llama import LlamaForCausalLM
-from redline.models.loader import load_weights
-from redline.quant.convert import HIGH_PRECISION, to_fp8
+from redline.models.loader import Part, load_weights
+from redline.quant.convert import HIGH_PRECISION, QuantizeOnLoad, fp8_skeleton
 from redline.quant.fp8 import scaled_mm_available
 from redline.quant.scheme import Fp8Scheme, fp8_scheme
 
@@ -18,23 +20,28 @@ _SKIPPED_PREFIXES = ("vision_model.", "multi_modal_projector.")
 
 
 def checkpoint_key_to_module_key(config: ModelConfig):
-    """language_model.model.layers.1.feed_forward.router.weight -> model.layers.1.mlp.router.weight"""
+    """language_model.model.layers.1.feed_forward.router.weight -> model.layers.1.mlp.router.weight;
+    per-expert Llama 4 keys map to a Part of the fused expert tensors (models/expert_layout.py)."""
     prefix = config.weight_prefix
 
-    def rename(key: str) -> str | None:
+    def rename(key: str) -> str | Part | None:
         if key.startswith(_SKIPPED_PREFIXES):
             return None
         if prefix:
             if not key.startswith(prefix):
                 return key  # reported as unexpected by the loader
             key = key[len(prefix) :]
-        return key.replace(".feed_forward.", ".mlp.")
+        key = key.replace(".feed_forward.", ".mlp.")
+        if config.num_experts:
+            return per_expert_part(key, config.expert_intermediate_size) or key
+        return key
 
     return rename
 
 
 def module_key_to_checkpoint_key(config: ModelConfig, key: str) -> str:
-    """The inverse of checkpoint_key_to_module_key (for writing checkpoints)."""
+    """The inverse of checkpoint_key_to_module_key for whole tensors and module names (for writing
+    checkpoints and matching a quantization config's `ignore` list)."""
     if config.family == "llama4":
         key = key.replace(".mlp.", ".feed_forward.")
     return config.weight_prefix + key
@@ -46,8 +53,9 @@ def load_target(
     device: str | torch.device = "cpu",
     quantization: str | None = None,
 ) -> LlamaForCausalLM:
-    """quantization "fp8" quantizes a high-precision checkpoint on load; FP8 checkpoints load as FP8
-    whatever it says."""
+    """quantization "fp8" quantizes a high-precision checkpoint while loading (each decoder linear and
+    expert module as soon as its weights are read, so the high-precision model never sits in memory whole);
+    FP8 checkpoints load as FP8 whatever it says."""
     if quantization not in (None, "fp8"):
         raise ValueError(f"unknown quantization {quantization!r}; choose fp8")
     config = ModelConfig.from_dir(model_dir)
@@ -56,7 +64,10 @@ def load_target(
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
         if scheme is not None:
-            to_fp8(model, scheme, scaled_mm)
+            fp8_skeleton(model, scheme, scaled_mm, functools.partial(module_key_to_checkpoint_key, config))
+    hook = None
+    if scheme is None and quantization == "fp8":
+        hook = QuantizeOnLoad(model, Fp8Scheme(tuple(HIGH_PRECISION)), scaled_mm)
     optional = ["lm_head.weight"] if config.tie_word_embeddings else []
     load_weights(
         model,
@@ -65,10 +76,8 @@ def load_target(
         device=device,
         rename=checkpoint_key_to_module_key(config),
         optional=optional,
+        hook=hook,
     )
     model.tie_weights()
-    if scheme is None and quantization == "fp8":
-        with torch.no_grad():
-            to_fp8(model, Fp8Scheme(tuple(HIGH_PRECISION)), scaled_mm)
     model.model.rotary.materialize(torch.device(device))
     return model.eval()

@@ -168,7 +168,8 @@ def _rename_draft_key(key: str) -> str:
 def load_draft(
     draft_dir: str | Path, target: LlamaForCausalLM, dtype: torch.dtype, device: str | torch.device = "cpu"
 ) -> Eagle3Draft:
-    """Loads an EAGLE-3 checkpoint for `target` and attaches it (embeddings, aux layers)."""
+    """Loads an EAGLE-3 checkpoint for `target` and attaches it (embeddings, aux layers): safetensors, or
+    pytorch_model.bin (sharded or not) as the original EAGLE-3 releases ship (yuhuili/EAGLE3-*)."""
     config = Eagle3Config.from_dir(draft_dir)
     keys = {_rename_draft_key(k) for k in checkpoint_files(Path(draft_dir))}
     own_embeddings, own_head = "embed_tokens.weight" in keys, "lm_head.weight" in keys

@@ -1,68 +1,88 @@
-"""Load safetensors checkpoints (single file or Hugging Face shards) into an nn.Module tensor by tensor."""
+"""Load a checkpoint (safetensors or PyTorch .bin, single file or shards) into an nn.Module tensor by tensor.
+
+Every name, shape and FP8-ness is checked against the model from the file headers before any tensor
+data is read; errors name the file and the tensor. A checkpoint tensor fills a whole module tensor, or a
+`Part` of one (Llama 4 checkpoints that store each expert's projections apart from the others).
+"""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from tqdm import tqdm
 
-INDEX_FILE = "model.safetensors.index.json"
+from redline.models.shards import ShardWriter
+from redline.models.tensor_files import CheckpointError, checkpoint_files, open_tensor_file
+
+__all__ = [
+    "CheckpointError",
+    "LoadHook",
+    "Part",
+    "check_checkpoint",
+    "checkpoint_files",
+    "load_weights",
+    "save_weights",
+]
+
 _MAX_LISTED = 10
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded into the model; the message names the file and tensor."""
+@dataclass(frozen=True)
+class Part:
+    """A checkpoint tensor that fills module_tensor[index], transposed first when `transpose`.
+
+    Example: experts.3.up_proj.weight [I, H] (nn.Linear, [out, in]) is
+    Part("...experts.gate_up_proj", (3, slice(None), slice(I, 2 * I)), transpose=True): gate_up_proj[3, :, I:]
+    is [H, I], the x @ W orientation."""
+
+    module_key: str
+    index: tuple[int | slice, ...]
+    transpose: bool = False
 
 
-@contextmanager
-def _open_safetensors(path: Path) -> Iterator[Any]:
-    try:
-        handle = safe_open(path, framework="pt")
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{path}: not a readable safetensors file: {e}") from e
-    with handle:
-        yield handle
+Rename = Callable[[str], str | Part | None]  # checkpoint key -> module key, a Part, or None to skip it
 
 
-def _read_index(index_path: Path) -> dict[str, Path]:
-    try:
-        weight_map = json.loads(index_path.read_text())["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{index_path}: unreadable checkpoint index: {e!r}") from e
-    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-        raise CheckpointError(f"{index_path}: 'weight_map' must map tensor names to file names")
-    files = {name: index_path.parent / name for name in set(weight_map.values())}
-    missing = sorted(name for name, path in files.items() if not path.is_file())
-    if missing:
-        raise CheckpointError(f"{index_path}: shards listed in the index are missing on disk: {missing}")
-    return {key: files[name] for key, name in weight_map.items()}
+class LoadHook(Protocol):
+    """Lets a caller transform modules while they load (quantization on load, quant/convert.py)."""
+
+    def dtype(self, module_key: str, on_disk: torch.dtype, default: torch.dtype) -> torch.dtype:
+        """The dtype a tensor is installed in; `default` is what the loader would pick."""
+        ...
+
+    def loaded(self, module_key: str) -> None:
+        """Called once the module tensor is complete (every Part of it installed)."""
+        ...
 
 
-def checkpoint_files(model_dir: Path) -> dict[str, Path]:
-    """Map every checkpoint key to the safetensors file holding it."""
-    model_dir = Path(model_dir)
-    index_path = model_dir / INDEX_FILE
-    if index_path.exists():
-        return _read_index(index_path)
-    paths = sorted(model_dir.glob("*.safetensors"))
-    if not paths:
-        raise CheckpointError(f"no *.safetensors in {model_dir}")
-    key_to_file: dict[str, Path] = {}
-    for path in paths:
-        with _open_safetensors(path) as handle:
-            keys = handle.keys()  # the safe_open handle is not iterable
-            for key in keys:
-                if key in key_to_file:
-                    raise CheckpointError(f"tensor {key!r} is in both {key_to_file[key]} and {path}")
-                key_to_file[key] = path
-    return key_to_file
+@dataclass(frozen=True)
+class _Source:
+    path: Path
+    key: str
+    part: Part
+
+
+def _is_fp8(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point and dtype.itemsize == 1
+
+
+def _target_dtype(on_disk: torch.dtype, dtype: torch.dtype, module_key: str) -> torch.dtype:
+    """Floating tensors are cast to `dtype`; FP8 scales (`*_scale`; bf16 in many releases) to fp32, which
+    is exact, since a bf16 scale would add 0.4% error to every weight; integer, bool and 8-bit float
+    tensors keep their dtype."""
+    if not on_disk.is_floating_point or _is_fp8(on_disk):
+        return on_disk
+    return torch.float32 if module_key.endswith("_scale") else dtype
+
+
+def _listing(keys: Iterable[str]) -> str:
+    keys = sorted(keys)
+    shown = ", ".join(keys[:_MAX_LISTED])
+    return f"{len(keys)} keys: {shown}" + (", ..." if len(keys) > _MAX_LISTED else "")
 
 
 def _module_tensor(model: torch.nn.Module, module_key: str) -> tuple[torch.nn.Module, str, torch.Tensor]:
@@ -83,68 +103,122 @@ def _install(model: torch.nn.Module, module_key: str, tensor: torch.Tensor) -> N
         module._buffers[attr] = tensor  # keeps the buffer's persistent flag
 
 
-def _target_dtype(on_disk: torch.dtype, dtype: torch.dtype, key: str) -> torch.dtype:
-    """Floating tensors are cast to `dtype`; integer, bool and 8-bit float (FP8) tensors, and FP8 scales
-    (`*_scale`, fp32 on disk: a bf16 scale would add 0.4% error to every weight), keep their dtype."""
-    if on_disk.is_floating_point and on_disk.itemsize > 1 and not key.endswith("_scale"):
-        return dtype
-    return on_disk
+def _fits(on_disk: tuple[int, ...], region: tuple[int, ...], part: Part) -> bool:
+    """Equal shapes, or shapes that differ only in size-1 dimensions (a per-tensor scale stored as [] for
+    [1], a per-channel [I, 1] for [1, I]); one value also fills a Part of a scale tensor (a per-tensor
+    scale of one expert's projection broadcast over that expert's per-channel slots)."""
+    squeeze = lambda shape: tuple(d for d in shape if d != 1)
+    if on_disk == region or squeeze(on_disk) == squeeze(region):
+        return True
+    broadcast = bool(part.index) and part.module_key.endswith("_scale")
+    return broadcast and torch.Size(on_disk).numel() == 1
 
 
-def _listing(keys: Iterable[str]) -> str:
-    keys = sorted(keys)
-    shown = ", ".join(keys[:_MAX_LISTED])
-    return f"{len(keys)} keys: {shown}" + (", ..." if len(keys) > _MAX_LISTED else "")
+def _shaped(tensor: torch.Tensor, part: Part, region: tuple[int, ...]) -> torch.Tensor:
+    tensor = tensor.t() if part.transpose else tensor
+    return tensor.reshape(region) if tensor.numel() == torch.Size(region).numel() else tensor.expand(region)
 
 
 def _plan(
-    key_to_file: dict[str, Path],
-    rename: Callable[[str], str | None],
-    expected: set[str],
-    optional: set[str],
-    model_dir: Path,
-) -> dict[Path, list[tuple[str, str]]]:
-    """Group (checkpoint key, module key) pairs by file, rejecting missing, unexpected and duplicate keys."""
-    by_file: dict[Path, list[tuple[str, str]]] = {}
-    source: dict[str, tuple[Path, str]] = {}
+    key_to_file: dict[str, Path], rename: Rename, expected: set[str], optional: set[str], model_dir: Path
+) -> dict[str, list[_Source]]:
+    """The checkpoint tensors of each module key; rejects missing, unexpected and doubly loaded keys."""
+    sources: dict[str, dict[tuple, _Source]] = {}  # module key -> {index as a hashable tuple: source}
     unexpected: list[str] = []
     for key, path in key_to_file.items():
-        module_key = rename(key)
-        if module_key is None:
+        target = rename(key)
+        if target is None:
             continue
-        if module_key not in expected and module_key not in optional:
-            unexpected.append(f"{key!r} -> {module_key!r} in {path.name}")
+        part = target if isinstance(target, Part) else Part(target, ())
+        if part.module_key not in expected and part.module_key not in optional:
+            unexpected.append(f"{key!r} -> {part.module_key!r} in {path.name}")
             continue
-        if module_key in source:
-            other_path, other_key = source[module_key]
+        group = sources.setdefault(part.module_key, {})
+        slot = tuple((i.start, i.stop, i.step) if isinstance(i, slice) else i for i in part.index)
+        whole_clash = group and (not slot or () in group)  # a whole tensor and anything else
+        clash = group.get(slot) or (next(iter(group.values())) if whole_clash else None)
+        if clash is not None:
             raise CheckpointError(
-                f"{model_dir}: {other_key!r} ({other_path.name}) and {key!r} ({path.name}) "
-                f"both load into {module_key!r}"
+                f"{model_dir}: {clash.key!r} ({clash.path.name}) and {key!r} ({path.name}) "
+                f"both load into {part.module_key!r}"
             )
-        source[module_key] = (path, key)
-        by_file.setdefault(path, []).append((key, module_key))
+        group[slot] = _Source(path, key, part)
     if unexpected:
         raise CheckpointError(f"{model_dir}: unexpected tensors in checkpoint: {'; '.join(unexpected)}")
-    missing = expected - optional - source.keys()
+    missing = expected - optional - sources.keys()
     if missing:
         raise CheckpointError(f"{model_dir}: checkpoint lacks {_listing(missing)}")
-    return by_file
+    return {module_key: list(group.values()) for module_key, group in sources.items()}
 
 
-def _check_shapes(model: torch.nn.Module, by_file: dict[Path, list[tuple[str, str]]]) -> None:
-    for path, pairs in by_file.items():
-        with _open_safetensors(path) as handle:
-            for key, module_key in pairs:
-                try:
-                    shape = tuple(handle.get_slice(key).get_shape())
-                except SafetensorError as e:
-                    raise CheckpointError(f"{path}: cannot read header of tensor {key!r}: {e}") from e
-                expected_shape = tuple(_module_tensor(model, module_key)[2].shape)
-                if shape != expected_shape:
+def _check_headers(model: torch.nn.Module, sources: dict[str, list[_Source]], model_dir: Path) -> None:
+    """Shapes, FP8 vs high precision, and complete coverage of module tensors assembled from Parts."""
+    by_file: dict[Path, list[_Source]] = {}
+    for group in sources.values():
+        for source in group:
+            by_file.setdefault(source.path, []).append(source)
+    for path, group in by_file.items():
+        with open_tensor_file(path) as file:
+            for source in group:
+                module_key, part = source.part.module_key, source.part
+                target = _module_tensor(model, module_key)[2]
+                region = tuple(torch.empty(target.shape, device="meta")[part.index].shape)
+                shape = file.shape(source.key)
+                shape = shape[::-1] if part.transpose else shape
+                if not _fits(shape, region, part):
+                    where = f" at [{', '.join(map(_index_text, part.index))}]" if part.index else ""
                     raise CheckpointError(
-                        f"{path}: tensor {key!r} has shape {list(shape)} but module key {module_key!r} "
-                        f"expects {list(expected_shape)}"
+                        f"{path}: tensor {source.key!r} has shape {list(shape)}"
+                        f"{' (transposed)' if part.transpose else ''} but module key {module_key!r}{where} "
+                        f"expects {list(region)}"
                     )
+                on_disk = file.dtype(source.key)
+                if _is_fp8(on_disk) != _is_fp8(target.dtype):
+                    raise CheckpointError(
+                        f"{path}: tensor {source.key!r} is {on_disk} but module key {module_key!r} is "
+                        f"{target.dtype}: the checkpoint's FP8 layers differ from what config.json's "
+                        "quantization_config describes"
+                    )
+    for module_key, group in sources.items():
+        if group[0].part.index:
+            target = _module_tensor(model, module_key)[2]
+            covered = sum(torch.empty(target.shape, device="meta")[s.part.index].numel() for s in group)
+            if covered != target.numel():
+                raise CheckpointError(
+                    f"{model_dir}: {module_key!r} is assembled from {len(group)} checkpoint tensors "
+                    f"({_listing(s.key for s in group)}) that cover {covered} of its {target.numel()} values"
+                )
+
+
+def _index_text(i: int | slice) -> str:
+    if isinstance(i, int):
+        return str(i)
+    return f"{'' if i.start is None else i.start}:{'' if i.stop is None else i.stop}"
+
+
+def _checked_sources(
+    model: torch.nn.Module,
+    model_dir: Path,
+    rename: Rename,
+    expected: Iterable[str] | None,
+    optional: Iterable[str],
+) -> dict[str, list[_Source]]:
+    expected_keys = set(model.state_dict().keys() if expected is None else expected)
+    sources = _plan(checkpoint_files(model_dir), rename, expected_keys, set(optional), model_dir)
+    _check_headers(model, sources, model_dir)
+    return sources
+
+
+def check_checkpoint(
+    model: torch.nn.Module,
+    model_dir: str | Path,
+    *,
+    rename: Rename = lambda key: key,
+    expected: Iterable[str] | None = None,
+    optional: Iterable[str] = (),
+) -> None:
+    """What load_weights checks before reading any data (names, shapes, FP8-ness), without loading."""
+    _checked_sources(model, Path(model_dir), rename, expected, optional)
 
 
 def load_weights(
@@ -153,71 +227,67 @@ def load_weights(
     *,
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
-    rename: Callable[[str], str | None] = lambda key: key,
+    rename: Rename = lambda key: key,
     expected: Iterable[str] | None = None,
     optional: Iterable[str] = (),
+    hook: LoadHook | None = None,
     progress: bool = True,
 ) -> set[str]:
     """Replace the model's parameters and buffers with checkpoint tensors; returns the module keys loaded.
 
-    All names and shapes are validated from the safetensors headers before any tensor data is read.
-    """
-    model_dir = Path(model_dir)
-    expected_keys = set(model.state_dict().keys() if expected is None else expected)
-    by_file = _plan(checkpoint_files(model_dir), rename, expected_keys, set(optional), model_dir)
-    _check_shapes(model, by_file)
-    loaded: set[str] = set()
-    with tqdm(total=sum(map(len, by_file.values())), desc="loading weights", disable=not progress) as bar:
-        for path, pairs in by_file.items():
-            with _open_safetensors(path) as handle:
-                for key, module_key in pairs:
-                    try:
-                        tensor = handle.get_tensor(key)
-                    except SafetensorError as e:
-                        raise CheckpointError(f"{path}: cannot read data of tensor {key!r}: {e}") from e
-                    tensor = tensor.to(device=device, dtype=_target_dtype(tensor.dtype, dtype, module_key))
-                    _install(model, module_key, tensor)
-                    loaded.add(module_key)
+    Reads one file at a time and one tensor at a time. A module tensor assembled from Parts is allocated
+    when its first Part arrives and filled in place."""
+    sources = _checked_sources(model, Path(model_dir), rename, expected, optional)
+    remaining = {module_key: len(group) for module_key, group in sources.items()}  # Parts still to come
+    by_file: dict[Path, list[_Source]] = {}
+    for group in sources.values():
+        for source in group:
+            by_file.setdefault(source.path, []).append(source)
+    with tqdm(total=sum(remaining.values()), desc="loading weights", disable=not progress) as bar:
+        for path, group in by_file.items():
+            with open_tensor_file(path) as file:
+                for source in group:
+                    _load_one(model, file.read(source.key), source, dtype, device, hook, sources, remaining)
                     bar.update()
-    return loaded
+    return set(sources)
 
 
-def _shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    shard_bytes = 0
-    for key, tensor in tensors.items():
-        if shards[-1] and shard_bytes + tensor.nbytes > max_shard_bytes:
-            shards.append({})
-            shard_bytes = 0
-        shards[-1][key] = tensor
-        shard_bytes += tensor.nbytes
-    return shards
+def _load_one(
+    model: torch.nn.Module,
+    tensor: torch.Tensor,
+    source: _Source,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    hook: LoadHook | None,
+    sources: dict[str, list[_Source]],
+    remaining: dict[str, int],
+) -> None:
+    module_key, part = source.part.module_key, source.part
+    target_dtype = _target_dtype(tensor.dtype, dtype, module_key)
+    if hook is not None:
+        target_dtype = hook.dtype(module_key, tensor.dtype, target_dtype)
+    current = _module_tensor(model, module_key)[2]
+    if not part.index:
+        # a copy even where dtype and device match: the model must own its memory, not map the file
+        # (which would stay mapped, and resident, as long as any of its tensors lives)
+        value = _shaped(tensor, part, tuple(current.shape)).to(device, target_dtype, copy=True)
+        _install(model, module_key, value)
+    else:
+        if remaining[module_key] == len(sources[module_key]):  # the first Part read: allocate
+            current = torch.empty(current.shape, dtype=target_dtype, device=device)
+            _install(model, module_key, current)
+        region = current[part.index]
+        region.copy_(_shaped(tensor, part, tuple(region.shape)))
+    remaining[module_key] -= 1
+    if remaining[module_key] == 0 and hook is not None:
+        hook.loaded(module_key)
 
 
 def save_weights(
     tensors: dict[str, torch.Tensor], model_dir: Path, max_shard_bytes: int | None = None
 ) -> None:
     """Write model.safetensors, or HF-style shards plus an index when larger than max_shard_bytes."""
-    model_dir = Path(model_dir)
-    model_dir.mkdir(parents=True, exist_ok=True)
-    to_save: dict[str, torch.Tensor] = {}
-    seen_storages: set[int] = set()
+    writer = ShardWriter(Path(model_dir), max_shard_bytes)
     for key, tensor in tensors.items():
-        tensor = tensor.detach().to("cpu").contiguous()
-        storage = tensor.untyped_storage().data_ptr()
-        if storage in seen_storages:  # tied weights: safetensors refuses tensors sharing memory
-            tensor = tensor.clone()
-        seen_storages.add(tensor.untyped_storage().data_ptr())
-        to_save[key] = tensor
-    total_size = sum(t.nbytes for t in to_save.values())
-    if max_shard_bytes is None or total_size <= max_shard_bytes:
-        save_file(to_save, model_dir / "model.safetensors", metadata={"format": "pt"})
-        return
-    shards = _shards(to_save, max_shard_bytes)
-    weight_map: dict[str, str] = {}
-    for number, shard in enumerate(shards, start=1):
-        name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, model_dir / name, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, name))
-    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
-    (model_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        writer.add(key, tensor)
+    writer.finish()

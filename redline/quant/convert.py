@@ -1,26 +1,115 @@
-"""Swapping a model's decoder linears (and Llama 4 experts) for FP8 modules."""
+"""Swapping a model's decoder linears (and Llama 4 experts) for FP8 modules: the empty modules an FP8
+checkpoint loads into, or quantized copies of loaded high-precision modules (all at once with `to_fp8`,
+or each as soon as its weights are read with `QuantizeOnLoad`)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Literal
+
+import torch
+from torch import nn
 
 from redline.layers.linear import Linear
 from redline.layers.moe import Experts
 from redline.models.llama import LlamaForCausalLM
-from redline.quant.fp8 import Fp8Experts, Fp8Linear
+from redline.quant.fp8 import Fp8Linear, quantize, quantize_per_expert
+from redline.quant.fp8_experts import Fp8Experts
 from redline.quant.scheme import Fp8Scheme
 
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 HIGH_PRECISION = ["lm_head", "re:.*router$"]  # plus embeddings and norms, which are not Linear
 
+# How a weight's scales lie: "linear" [N, K] -> [N, 1]; "gate_up" (experts, x @ W) [E, H, 2I] -> [E, 1, 2I];
+# "down" [E, I, H] -> [E, H, 1] (Fp8Experts keeps the down scales as a column per expert)
+Kind = Literal["linear", "gate_up", "down"]
 
-def to_fp8(model: LlamaForCausalLM, scheme: Fp8Scheme, scaled_mm: bool) -> None:
-    """Replaces model.layers.*'s linears and experts in place. Real weights are quantized; on the meta
-    device this makes the empty FP8 modules a quantized checkpoint loads into."""
+
+def _targets(
+    model: LlamaForCausalLM, scheme: Fp8Scheme, checkpoint_name: Callable[[str], str] = lambda name: name
+) -> Iterator[tuple[nn.Module, str, nn.Module, str]]:
+    """(parent, attribute, module, full name) of every decoder linear and expert module FP8 covers."""
     for parent_name, parent in list(model.model.layers.named_modules(prefix="model.layers")):
         for name, child in list(parent.named_children()):
             full = f"{parent_name}.{name}"
-            if scheme.keeps_high_precision(full):
+            if scheme.keeps_high_precision(full, checkpoint_name(full)):
                 continue
-            if isinstance(child, Linear) and name in QUANTIZED:
-                setattr(parent, name, Fp8Linear.from_linear(child, scaled_mm))
-            elif isinstance(child, Experts):
-                setattr(parent, name, Fp8Experts.from_experts(child))
+            if (isinstance(child, Linear) and name in QUANTIZED) or isinstance(child, Experts):
+                yield parent, name, child, full
+
+
+def fp8_skeleton(
+    model: LlamaForCausalLM, scheme: Fp8Scheme, scaled_mm: bool, checkpoint_name: Callable[[str], str]
+) -> None:
+    """On the meta device: replaces the modules an FP8 checkpoint in `scheme` holds in FP8 by empty FP8
+    modules; checkpoint_name maps redline's module names to the checkpoint's, for the `ignore` list."""
+    for parent, name, child, _ in list(_targets(model, scheme, checkpoint_name)):
+        if isinstance(child, Linear):
+            shape = (child.in_features, child.out_features, child.bias is not None)
+            fp8 = Fp8Linear(*shape, scheme.per_tensor, scaled_mm, scheme.static_input)
+        else:
+            experts, hidden, two_inter = child.gate_up_proj.shape
+            fp8 = Fp8Experts(experts, hidden, two_inter // 2)
+        setattr(parent, name, fp8)
+
+
+def quantize_weight(w: torch.Tensor, kind: Kind) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 values and scales of one weight, per output channel (per expert and output channel)."""
+    if kind == "linear":
+        return quantize(w)
+    q, scale = quantize_per_expert(w)  # scale [E, 1, N]
+    return (q, scale) if kind == "gate_up" else (q, scale.transpose(1, 2).contiguous())
+
+
+def _quantized(module: nn.Module, scaled_mm: bool) -> nn.Module:
+    if isinstance(module, Linear):
+        return Fp8Linear.from_linear(module, scaled_mm)
+    return Fp8Experts.from_experts(module)
+
+
+def to_fp8(model: LlamaForCausalLM, scheme: Fp8Scheme, scaled_mm: bool) -> None:
+    """Replaces model.layers.*'s loaded linears and experts by quantized copies, in place."""
+    for parent, name, child, _ in list(_targets(model, scheme)):
+        setattr(parent, name, _quantized(child, scaled_mm))
+
+
+def quantized_weights(model: LlamaForCausalLM, scheme: Fp8Scheme) -> dict[str, Kind]:
+    """Module keys of the weights quantization turns into FP8, with the layout of their scales:
+    {"model.layers.0.self_attn.q_proj.weight": "linear", "model.layers.1.mlp.experts.down_proj": "down"}"""
+    weights: dict[str, Kind] = {}
+    for _, _, child, full in _targets(model, scheme):
+        if isinstance(child, Linear):
+            weights[f"{full}.weight"] = "linear"
+        else:
+            weights |= {f"{full}.gate_up_proj": "gate_up", f"{full}.down_proj": "down"}
+    return weights
+
+
+class QuantizeOnLoad:
+    """A loader hook (models/loader.py LoadHook) that swaps each decoder linear and expert module for
+    its FP8 copy as soon as all its tensors are loaded, so a high-precision checkpoint never sits in memory
+    whole: the peak is the FP8 model plus one module in high precision. Weights to quantize load in their
+    on-disk precision (an fp32 checkpoint is not rounded to bf16 first), the rest in the model's dtype."""
+
+    def __init__(self, model: LlamaForCausalLM, scheme: Fp8Scheme, scaled_mm: bool) -> None:
+        self._scaled_mm = scaled_mm
+        self._weights = quantized_weights(model, scheme)
+        self._places: dict[str, tuple[nn.Module, str]] = {}  # module name -> (parent, attribute)
+        self._pending: dict[str, set[str]] = {}  # module name -> its tensors not loaded yet
+        for parent, name, child, full in _targets(model, scheme):
+            self._places[full] = (parent, name)
+            self._pending[full] = {f"{full}.{key}" for key, _ in child.named_parameters()}
+
+    def dtype(self, module_key: str, on_disk: torch.dtype, default: torch.dtype) -> torch.dtype:
+        return on_disk if module_key in self._weights and on_disk.is_floating_point else default
+
+    def loaded(self, module_key: str) -> None:
+        name = module_key.rpartition(".")[0]
+        pending = self._pending.get(name)
+        if pending is None:
+            return
+        pending.discard(module_key)
+        if not pending:
+            parent, attribute = self._places.pop(name)
+            del self._pending[name]
+            setattr(parent, attribute, _quantized(getattr(parent, attribute), self._scaled_mm))

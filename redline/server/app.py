@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import hmac
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,13 +22,16 @@ from starlette.exceptions import HTTPException
 from redline.engine.llm import LLM
 from redline.engine.request import Completion
 from redline.engine.request import Request as EngineRequest
-from redline.server.engine_loop import EngineLoop, Event, QueueFull
-from redline.server.errors import APIError
+from redline.server.engine_loop import EngineLoop, EngineUnavailable, Event, QueueFull
+from redline.server.errors import APIError, internal
 from redline.server.metrics import Metrics
 from redline.server.protocol import Parsed, parse_json, parse_request
+from redline.tokenizer import TokenizerError
 
 MAX_BODY_BYTES = 1 << 20
 DISCONNECT_POLL_S = 1.0
+
+log = logging.getLogger("redline.server")
 
 
 class Server:
@@ -68,9 +72,14 @@ class Server:
         return bytes(body)
 
     def engine_request(self, parsed: Parsed) -> EngineRequest:
-        tokenizer = self.llm.tokenizer
-        prompt = tokenizer.encode_chat(parsed.messages) if parsed.messages is not None else parsed.prompt
-        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt or [])
+        """Templates and tokenizes a parsed body (slow: run it off the event loop); a chat template that
+        raises is the messages' 400."""
+        if parsed.messages is not None:
+            ids = self._chat_ids(parsed.messages)
+        elif isinstance(parsed.prompt, str):
+            ids = self.llm.tokenizer.encode(parsed.prompt)
+        else:
+            ids = list(parsed.prompt or [])
         params = parsed.params
         if not parsed.max_tokens_given and parsed.messages is not None:  # chat: up to the context limit
             params = dataclasses.replace(params, max_tokens=max(1, self.llm.max_seq_len - len(ids)))
@@ -78,6 +87,14 @@ class Server:
             return self.llm.make_request(ids, params)
         except ValueError as e:
             raise APIError(400, str(e), "max_tokens" if "context window" in str(e) else "prompt") from e
+
+    def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        try:
+            return self.llm.tokenizer.encode_chat(messages)
+        except TokenizerError as e:  # jinja2 errors, raise_exception(...) in the template
+            raise APIError(400, f"messages: {e}", "messages") from e
+        except Exception as e:  # templates are code: they may fail in plain Python on odd messages
+            raise APIError(400, f"messages: chat template error: {type(e).__name__}: {e}", "messages") from e
 
     def submit(self, request: EngineRequest) -> asyncio.Queue[Event]:
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
@@ -92,7 +109,13 @@ class Server:
         except QueueFull:
             raise APIError(429, "the request queue is full; retry shortly", kind="rate_limit_error",
                            headers={"Retry-After": "1"}) from None  # fmt: skip
+        except EngineUnavailable as e:
+            raise unavailable(str(e)) from None
         return events
+
+
+def unavailable(problem: str) -> APIError:
+    return APIError(503, f"the engine cannot serve: {problem}", kind="service_unavailable")
 
 
 def _usage(c: Completion) -> dict:
@@ -148,6 +171,27 @@ def sse(body: dict) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
+async def sse_events(
+    events: asyncio.Queue[Event], responder: Responder, include_usage: bool
+) -> AsyncIterator[str]:
+    """One request's server-sent events up to its last (without [DONE]); a failed request ends with an
+    OpenAI-style error event."""
+    if responder.chat:
+        yield responder.chunk("", role=True)
+    while True:
+        event = await events.get()
+        if event.error:
+            yield sse(APIError(500, event.error, kind="server_error").body())
+            return
+        if event.text:
+            yield responder.chunk(event.text)
+        if event.completion is not None:
+            yield responder.chunk(None if responder.chat else "", event.completion.finish_reason)
+            if include_usage:
+                yield responder.usage_chunk(event.completion)
+            return
+
+
 def create_app(server: Server, start_engine: bool = True) -> FastAPI:
     """With start_engine, the app runs the engine loop on a background thread while it is up; without,
     the caller runs server.engine.run() itself (redline serve: on the main thread)."""
@@ -174,9 +218,19 @@ def create_app(server: Server, start_engine: bool = True) -> FastAPI:
     async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
         return JSONResponse(APIError(400, str(e)).body(), 400)
 
+    @app.exception_handler(Exception)
+    async def unexpected_error(_: Request, e: Exception) -> JSONResponse:
+        """A 500 JSON error for a bug outside generate(); Starlette re-raises it, and uvicorn logs it."""
+        return JSONResponse(internal(e).body(), 500)
+
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    async def health() -> Response:
+        """200 while the engine loop runs on a usable device; 503 with the reason otherwise."""
+        problem = server.engine.problem()
+        if problem is not None:
+            error = unavailable(problem)
+            return JSONResponse({"status": "unhealthy"} | error.body(), error.status)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -190,11 +244,20 @@ def create_app(server: Server, start_engine: bool = True) -> FastAPI:
         return {"object": "list", "data": [card]}
 
     async def generate(http: Request, chat: bool) -> Response:
+        try:
+            return await respond(http, chat)
+        except APIError:
+            raise
+        except Exception as e:  # a bug: logged here, the client gets a 500 JSON error
+            log.exception("%s %s failed", http.method, http.url.path)
+            raise internal(e) from e
+
+    async def respond(http: Request, chat: bool) -> Response:
         server.check_key(http)
         data = parse_json(await server.read_body(http))
         llm = server.llm
         parsed = parse_request(data, chat, server.model_name, llm.max_seq_len, llm.config.vocab_size)
-        request = server.engine_request(parsed)
+        request = await asyncio.to_thread(server.engine_request, parsed)
         events = server.submit(request)
         responder = Responder(chat, server.model_name)
         if parsed.stream:
@@ -225,24 +288,15 @@ def create_app(server: Server, start_engine: bool = True) -> FastAPI:
         request: EngineRequest, events: asyncio.Queue[Event], responder: Responder, include_usage: bool
     ) -> AsyncIterator[str]:
         try:
-            if responder.chat:
-                yield responder.chunk("", role=True)
-            while True:
-                event = await events.get()
-                if event.error:
-                    yield sse(APIError(500, event.error, kind="server_error").body())
-                    break
-                if event.text:
-                    yield responder.chunk(event.text)
-                if event.completion is not None:
-                    yield responder.chunk(None if responder.chat else "", event.completion.finish_reason)
-                    if include_usage:
-                        yield responder.usage_chunk(event.completion)
-                    break
-            yield "data: [DONE]\n\n"
+            async for piece in sse_events(events, responder, include_usage):
+                yield piece
+        except Exception as e:  # the status line is sent: the error goes in the stream
+            log.exception("streaming a response failed")
+            yield sse(internal(e).body())
         finally:  # the client went away mid-stream: free its slot
             if not request.finished:
                 server.engine.cancel(request)
+        yield "data: [DONE]\n\n"
 
     @app.post("/v1/completions")
     async def completions(http: Request) -> Response:

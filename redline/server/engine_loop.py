@@ -7,6 +7,10 @@ intra-op threads from a second thread). Tests use start(), a background thread.
 
 Consumers are callables run on the engine thread with an Event; the server wraps an asyncio queue
 (loop.call_soon_threadsafe), so handlers simply await their events.
+
+Failures: the scheduler fails single requests (their consumers get an Event with `error`); a step that
+raises anyway fails every request in the engine. If the loop itself ends (stop(), or an exception), every
+open request fails and submit() refuses new ones; problem() says why the engine cannot serve.
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from redline.engine.failures import DeviceUnusableError
 from redline.engine.llm import LLM
 from redline.engine.request import Completion, Request
+from redline.engine.scheduler import Events
 
 log = logging.getLogger("redline.server")
 
@@ -37,19 +43,27 @@ class QueueFull(Exception):
     pass
 
 
+class EngineUnavailable(Exception):
+    """The engine serves nothing more: its loop is not running, or the device is unusable."""
+
+
 class EngineLoop:
     def __init__(self, llm: LLM, max_queue: int, on_step: Callable[[EngineLoop], None] | None = None):
         self.llm, self.max_queue = llm, max_queue
         self._inbox: queue.SimpleQueue[tuple[str, Request, Consumer | None]] = queue.SimpleQueue()
-        self._consumers: dict[int, Consumer] = {}  # id(request) -> consumer
-        self._pending = 0  # submitted, not yet in a slot
+        self._consumers: dict[Request, Consumer] = {}
+        self._queued: set[Request] = set()  # in the scheduler, not yet in a slot or finished
+        self._pending = 0  # submitted, not yet in a slot or finished
         self._lock = threading.Lock()
         self._on_step = on_step
         self._stop = threading.Event()
+        self._started = False
+        self._ended: str | None = None  # why the loop ended, once it has
         self._thread = threading.Thread(target=self.run, name="redline-engine", daemon=True)
 
     def start(self) -> None:
         """Runs the loop on a background thread."""
+        self._started = True  # now, not once the thread gets going: no early 503s
         self._thread.start()
 
     def stop(self) -> None:
@@ -57,6 +71,17 @@ class EngineLoop:
         self._inbox.put(("wake", None, None))  # type: ignore[arg-type]
         if self._thread.is_alive():
             self._thread.join(timeout=10)
+
+    def problem(self) -> str | None:
+        """None while the loop runs on a usable device; otherwise why the engine cannot serve."""
+        return self._refusal() or (None if self._started else "the engine loop has not started")
+
+    def _refusal(self) -> str | None:
+        """Why submit() refuses requests: the loop ended, or the device is unusable. (Requests submitted
+        before the loop starts wait for it.)"""
+        if self.llm.scheduler.unusable is not None:
+            return f"the device is unusable: {self.llm.scheduler.unusable}"
+        return self._ended
 
     @property
     def queue_depth(self) -> int:
@@ -68,34 +93,52 @@ class EngineLoop:
         return len(self.llm.scheduler.running)
 
     def submit(self, request: Request, consumer: Consumer) -> None:
-        with self._lock:
+        """Queues a request; QueueFull when max_queue are waiting, EngineUnavailable when nothing serves."""
+        with self._lock:  # under the lock: the loop either sees this request or ends before it is put
+            refusal = self._refusal()
+            if refusal is not None:
+                raise EngineUnavailable(refusal)
             if self._pending >= self.max_queue:
                 raise QueueFull
             self._pending += 1
-        self._inbox.put(("add", request, consumer))
+            self._inbox.put(("add", request, consumer))
 
     def cancel(self, request: Request) -> None:
         self._inbox.put(("cancel", request, None))
 
-    def run(self) -> None:
-        """The loop, on the calling thread, until stop()."""
+    def run(self) -> bool:
+        """The loop, on the calling thread, until stop(): True then. An exception escaping the loop ends
+        it too (logged; open requests fail; False)."""
+        self._started = True
+        reason = "the engine loop was stopped"
+        try:
+            while not self._stop.is_set():
+                self._iterate()
+            return True
+        except Exception as e:
+            log.exception("the engine loop died")
+            reason = f"the engine loop died: {type(e).__name__}: {e}"
+            return False
+        finally:
+            self._close(reason)
+
+    def _iterate(self) -> None:
+        """Takes in new requests and cancellations, runs one step, and delivers its events (after counting
+        the queue, so a client answered can submit again at once)."""
         scheduler = self.llm.scheduler
-        while not self._stop.is_set():
-            self._drain(block=not scheduler.has_work)
-            if not scheduler.has_work:
-                continue
-            waiting_before = len(scheduler.waiting)
+        self._drain(block=not scheduler.has_work)
+        events: Events = []
+        if scheduler.has_work:
             try:
                 events = scheduler.step()
-            except Exception as e:  # a failed step must not take the server down: fail its requests
-                log.exception("decode step failed")
-                self._fail_all(f"internal error in the decode step: {e}")
-                continue
-            self._admitted(waiting_before - len(scheduler.waiting))
-            for request, text in events:
-                self._deliver(request, text)
-            if self._on_step:
-                self._on_step(self)
+            except Exception as e:  # not a request's failure (the scheduler handles those): fail them all
+                log.exception("engine step failed")
+                events = self._fail_all(f"internal error in the engine step: {type(e).__name__}: {e}")
+        self._settle_queue()
+        for request, text in events:
+            self._deliver(request, text)
+        if self._on_step:
+            self._on_step(self)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -105,38 +148,71 @@ class EngineLoop:
         while True:
             kind, request, consumer = item
             if kind == "add" and consumer is not None:
-                self._consumers[id(request)] = consumer
-                self.llm.scheduler.add(request)
-            elif kind == "cancel" and id(request) in self._consumers:
-                was_waiting = request in self.llm.scheduler.waiting
+                self._add(request, consumer)
+            elif kind == "cancel" and request in self._consumers:
                 self.llm.scheduler.cancel(request)
-                self._admitted(1 if was_waiting else 0)
                 self._deliver(request, "")
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
 
-    def _admitted(self, count: int) -> None:
+    def _add(self, request: Request, consumer: Consumer) -> None:
+        self._consumers[request] = consumer
+        self._queued.add(request)
+        try:
+            self.llm.scheduler.add(request)
+        except DeviceUnusableError as e:  # submitted just before the device failed
+            request.fail(str(e))
+            self._deliver(request, "")
+
+    def _settle_queue(self) -> None:
+        """Counts requests that left the queue: admitted into a slot, or finished (cancelled, failed)."""
+        left = {r for r in self._queued if r.slot is not None or r.finished}
+        self._queued -= left
         with self._lock:
-            self._pending -= count
+            self._pending -= len(left)
 
     def _deliver(self, request: Request, text: str) -> None:
-        consumer = self._consumers.get(id(request))
+        consumer = self._consumers.get(request)
         if consumer is None:
             return
         if request.finished:
-            del self._consumers[id(request)]
-            consumer(Event(text, request.completion()))
+            del self._consumers[request]
+            event = Event(text, request.completion(), error=request.error)
         elif text:
-            consumer(Event(text))
+            event = Event(text)
+        else:
+            return
+        try:
+            consumer(event)
+        except Exception:  # one consumer's failure (its event loop closed, say) is not the engine's
+            log.exception("delivering an event failed")
 
-    def _fail_all(self, message: str) -> None:
-        scheduler = self.llm.scheduler
-        for request in [*scheduler.waiting, *scheduler.running.values()]:
-            was_waiting = request in scheduler.waiting
-            scheduler.cancel(request)
-            self._admitted(1 if was_waiting else 0)
-            consumer = self._consumers.pop(id(request), None)
-            if consumer is not None:
-                consumer(Event("", request.completion(), error=message))
+    def _fail_all(self, message: str) -> Events:
+        """Fails every request of this loop still open, in the scheduler or not (a request may be
+        between the queue and a slot when a step raises)."""
+        for request in self._consumers:
+            try:
+                self.llm.scheduler.fail(request, message)
+            except Exception:  # freeing its slot failed too; its client is answered all the same
+                log.exception("could not free the slot of a failed request")
+                request.fail(message)
+        return [(request, "") for request in self._consumers]
+
+    def _close(self, reason: str) -> None:
+        """The loop ends: submit() refuses from now on, and every request submitted so far fails."""
+        with self._lock:
+            self._ended = reason
+        while True:
+            try:
+                kind, request, consumer = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add" and consumer is not None:
+                self._consumers[request] = consumer
+                self._queued.add(request)
+        events = self._fail_all(reason)
+        self._settle_queue()
+        for request, text in events:
+            self._deliver(request, text)

@@ -24,3 +24,8 @@ class APIError(Exception):
 
 def invalid(param: str, message: str) -> APIError:
     return APIError(400, f"{param}: {message}", param)
+
+
+def internal(error: Exception) -> APIError:
+    """A 500 for an exception nobody expected (it is logged where it is caught)."""
+    return APIError(500, f"internal server error: {type(error).__name__}: {error}", kind="server_error")

@@ -1,5 +1,8 @@
 """`redline serve`: load the model (and draft), pick the mode's batch and speculation, run uvicorn.
 
+The engine loop runs on the main thread and uvicorn on another. Ctrl-C or SIGTERM exits 0; if the engine
+loop dies, or the HTTP server ends by itself, the process exits 1 instead of serving nothing.
+
 min-latency: at most MIN_LATENCY_SLOTS slots, speculation whenever a draft is given.
 max-throughput: --max-batch slots (default 16); speculation with a draft unless --no-speculation.
 """
@@ -37,7 +40,7 @@ def serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise ValueError(f"redline serve needs fastapi, uvicorn and prometheus-client ({e}); "
                          "pip install 'redline[serve]'") from e  # fmt: skip
-    from redline import LLM, SamplingParams
+    from redline import LLM
 
     log = logging.getLogger("redline.server")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -48,9 +51,8 @@ def serve(args: argparse.Namespace) -> int:
         args.model, dtype=args.dtype, device=args.device, max_batch=slots, max_seq_len=args.max_seq_len,
         draft=args.draft if speculate else None, num_draft_tokens=args.num_draft_tokens, compile=args.compile,
     )  # fmt: skip
-    llm.generate(
-        [llm.tokenizer.encode("def")], SamplingParams(max_tokens=2)
-    )  # warm-up (compiles with --compile)
+    if llm.warmup_s:
+        log.info("warm-up: every prefill and step shape compiled in %.1f s", llm.warmup_s)
     name = args.served_model_name or args.model.name
     api_key = args.api_key or os.environ.get("REDLINE_API_KEY")
     server = Server(llm, name, api_key, max_queue=args.max_queue)
@@ -66,17 +68,28 @@ def serve(args: argparse.Namespace) -> int:
     http = uvicorn.Server(
         config
     )  # on a second thread it leaves signals alone: Ctrl-C reaches the main thread
-    thread = threading.Thread(target=http.run, name="redline-http", daemon=True)
+
+    def run_http() -> None:
+        try:
+            http.run()
+        except SystemExit:  # uvicorn's way out when it cannot start (the port is taken, say); it logged why
+            pass
+        finally:  # the HTTP server ended: nobody is left to serve
+            server.engine.stop()
+
+    thread = threading.Thread(target=run_http, name="redline-http", daemon=True)
     thread.start()
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` shuts down like Ctrl-C
     try:
-        server.engine.run()  # the model stays on the main thread
+        died = not server.engine.run()  # the model stays on the main thread
     except KeyboardInterrupt:
         log.info("shutting down")
+        return 0
     finally:
         http.should_exit = True
         thread.join(timeout=10)
-    return 0
+    log.error("exiting: %s", server.engine.problem() if died else "the HTTP server stopped")
+    return 1
 
 
 def add_parser(sub) -> None:

@@ -7,7 +7,7 @@ compiles with fullgraph=True and captures as one CUDA graph. Without a draft it 
 state, one row per slot:
   pending [S, K + 1]  the last emitted token, then K draft tokens
   pos [S]             absolute position of pending[:, 0]
-  active [S]          rows of free slots compute but never advance
+  active [S]          rows of free slots compute (at position 0) but never advance
   draft_probs [S, K, V_draft]  the distributions the drafts were sampled from (sampling requests only)
 """
 
@@ -68,7 +68,11 @@ class DecodeStep:
 
     def __call__(self, rows: int, kv_len: int, any_sampling: bool) -> torch.Tensor:
         st, k = self.state, self.k
-        pending, pos, active = st.pending[:rows], st.pos[:rows], st.active[:rows]
+        pending, active = st.pending[:rows], st.active[:rows]
+        # A free slot still computes when it lies inside the batch bucket, from whatever state its last
+        # request left: a request that ended at the context limit leaves pos up to max_len + K, and the
+        # draft chain writes pos + 2K - 1, past the cache. Free rows compute at position 0 instead.
+        pos = torch.where(active, st.pos[:rows], 0)
         sampling = self.sampling.rows(0, rows)
         positions = pos[:, None] + torch.arange(k + 1, device=pos.device)  # [B, K + 1]
         hidden, aux = self.target(pending, positions, self.cache.layers, 0, kv_len)

@@ -1,0 +1,82 @@
+"""Start-up time of a compiled engine: every prefill and decode-step shape compiled before the first request.
+
+`LLM(compile=True)` (and `redline serve --compile`) compiles the prefill (one graph, dynamic prompt length)
+and the decode step for every (batch bucket, sampling) pair (kv_len is a dynamic dimension), then runs
+every (rows, kv_len, sampling) key once. This script times that warm-up for the configuration the issue
+names, 16 slots x 4,096 tokens, on a random Llama 3 (hidden 512, intermediate 1408, 8 layers, 8 heads,
+8 kv heads, vocabulary 8,000: the decode_baseline.py shape) with a random EAGLE-3 draft (K = 3), in a fresh
+process per run: first with an empty inductor cache (a first start), then again on the cache that run left
+(a restart). It also counts what was compiled.
+
+    .venv/bin/python benchmarks/startup_compile.py [--slots 16] [--context 4096] [--dtype bfloat16]
+        [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from redline.benchmark.machine import busy_cores, cpu_model
+
+SHAPE = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+             num_key_value_heads=8, tie_word_embeddings=False, max_position_embeddings=4096)  # fmt: skip
+
+
+def build(root: Path) -> tuple[Path, Path]:
+    from redline.models.random_init import write_random_draft, write_random_model
+
+    target = write_random_model(root / "target", vocab_size=8000, **SHAPE)
+    return target, write_random_draft(target, root / "draft")
+
+
+def one_start(target: str, draft: str, slots: int, context: int, dtype: str) -> dict:
+    """Runs in the child process: builds the engine and reports its warm-up."""
+    import torch._dynamo.utils
+
+    from redline import LLM
+
+    llm = LLM(target, dtype=dtype, max_batch=slots, max_seq_len=context, draft=draft, compile=True)
+    keys = llm.runner.step_keys()
+    return {
+        "warmup_s": round(llm.warmup_s, 1),
+        "step_keys": len(keys),
+        "graphs_compiled": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--slots", type=int, default=16)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(one_start(*args.child, args.slots, args.context, args.dtype)))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        target, draft = build(Path(tmp))
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor")}
+        command = [sys.executable, __file__, "--slots", str(args.slots), "--context", str(args.context),
+                   "--dtype", args.dtype, "--child", str(target), str(draft)]  # fmt: skip
+        runs = {}
+        for name in ("first start (empty cache)", "restart (cache warm)"):
+            busy = busy_cores()
+            out = subprocess.run(command, env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
+            runs[name] = json.loads(out.strip().splitlines()[-1]) | {"busy_cores_before": round(busy, 2)}
+            print(f"{name}: {runs[name]}", flush=True)
+    result = {"cpu": cpu_model(), "threads": os.cpu_count(), "settings": vars(args) | {"child": None}, **runs}
+    print(json.dumps(result, indent=2, default=str))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()

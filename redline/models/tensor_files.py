@@ -1,0 +1,172 @@
+"""Checkpoint files of either format, read one tensor at a time: safetensors (single or sharded) and
+PyTorch `.bin` state dicts (single or sharded, the original EAGLE-3 drafts and older Hugging Face
+releases). A directory with both uses its safetensors.
+
+`.bin` files are opened with `torch.load(map_location="cpu", weights_only=True, mmap=True)`: the
+restricted unpickler refuses anything but tensors and plain containers, so a file that holds code is
+an error and never runs; mmap leaves the data on disk until a tensor is read.
+
+`read` may return a view of the mapped file (both formats): copy what must outlive the file.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+BIN_INDEX = "pytorch_model.bin.index.json"
+BIN_GLOB = "pytorch_model*.bin"  # not *.bin: training_args.bin and optimizer.bin are pickles of objects
+
+
+# safetensors header dtype names (safe_open(...).get_slice(key).get_dtype())
+_SAFETENSORS_DTYPES = {
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded into the model; the message names the file and tensor."""
+
+
+class SafetensorsFile:
+    """get_tensor returns a view of the memory-mapped file (safetensors >= 0.4), read as it is touched."""
+
+    def __init__(self, path: Path, handle) -> None:
+        self.path, self._handle = path, handle
+
+    def names(self) -> list[str]:
+        return list(self._handle.keys())  # the safe_open handle is not iterable
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        try:
+            return tuple(self._handle.get_slice(key).get_shape())
+        except SafetensorError as e:
+            raise CheckpointError(f"{self.path}: cannot read header of tensor {key!r}: {e}") from e
+
+    def dtype(self, key: str) -> torch.dtype:
+        name = self._handle.get_slice(key).get_dtype()
+        if name not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{self.path}: tensor {key!r} has dtype {name}, which redline cannot read")
+        return _SAFETENSORS_DTYPES[name]
+
+    def read(self, key: str) -> torch.Tensor:
+        try:
+            return self._handle.get_tensor(key)
+        except SafetensorError as e:
+            raise CheckpointError(f"{self.path}: cannot read data of tensor {key!r}: {e}") from e
+
+
+class TorchFile:
+    """A `.bin` state dict, its tensors views of the memory-mapped file."""
+
+    def __init__(self, path: Path, tensors: dict[str, torch.Tensor]) -> None:
+        self.path, self._tensors = path, tensors
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._tensors[key].shape)
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self._tensors[key].dtype
+
+    def read(self, key: str) -> torch.Tensor:
+        return self._tensors[key]
+
+
+def _load_bin(path: Path) -> dict[str, torch.Tensor]:
+    # mmap needs the zip format torch.save has written since 1.6; older files are read whole
+    mmap = zipfile.is_zipfile(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        # torch's message ends with "WeightsUnpickler error: Unsupported global: GLOBAL os.system ..."
+        reason = str(e).partition("WeightsUnpickler error:")[2].strip().split(". ")[0] or str(e)
+        if "Unsupported global" in reason:
+            raise CheckpointError(
+                f"{path}: holds pickled objects other than tensors (possibly code), which redline refuses "
+                f"to unpickle ({reason}); convert it to safetensors where you trust it"
+            ) from e
+        raise CheckpointError(f"{path}: not a readable PyTorch checkpoint: {reason}") from e
+    except Exception as e:  # a corrupt file fails anywhere in the unpickler (IndexError, EOFError, ...)
+        raise CheckpointError(f"{path}: not a readable PyTorch checkpoint: {e!r}") from e
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
+        raise CheckpointError(f"{path}: not a state dict (a mapping of tensor names to tensors)")
+    return state
+
+
+@contextmanager
+def open_tensor_file(path: Path) -> Iterator[SafetensorsFile | TorchFile]:
+    if path.suffix == ".bin":
+        yield TorchFile(path, _load_bin(path))
+        return
+    try:
+        handle = safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file: {e}") from e
+    with handle:
+        yield SafetensorsFile(path, handle)
+
+
+def _read_index(index_path: Path) -> dict[str, Path]:
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index_path}: unreadable checkpoint index: {e!r}") from e
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise CheckpointError(f"{index_path}: 'weight_map' must map tensor names to file names")
+    files = {name: index_path.parent / name for name in set(weight_map.values())}
+    missing = sorted(name for name, path in files.items() if not path.is_file())
+    if missing:
+        raise CheckpointError(f"{index_path}: shards listed in the index are missing on disk: {missing}")
+    return {key: files[name] for key, name in weight_map.items()}
+
+
+def _scan(paths: list[Path]) -> dict[str, Path]:
+    key_to_file: dict[str, Path] = {}
+    for path in paths:
+        with open_tensor_file(path) as file:
+            for key in file.names():
+                if key in key_to_file:
+                    raise CheckpointError(f"tensor {key!r} is in both {key_to_file[key]} and {path}")
+                key_to_file[key] = path
+    return key_to_file
+
+
+def checkpoint_files(model_dir: Path) -> dict[str, Path]:
+    """Map every checkpoint key to the file holding it: the safetensors index, else *.safetensors, else
+    the .bin index, else pytorch_model*.bin."""
+    model_dir = Path(model_dir)
+    if (model_dir / SAFETENSORS_INDEX).exists():
+        return _read_index(model_dir / SAFETENSORS_INDEX)
+    safetensors = sorted(model_dir.glob("*.safetensors"))
+    if safetensors:
+        return _scan(safetensors)
+    if (model_dir / BIN_INDEX).exists():
+        return _read_index(model_dir / BIN_INDEX)
+    bins = sorted(model_dir.glob(BIN_GLOB))
+    if bins:
+        return _scan(bins)
+    raise CheckpointError(f"no *.safetensors or {BIN_GLOB} in {model_dir}")

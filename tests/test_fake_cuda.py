@@ -1,0 +1,301 @@
+"""The engine's CUDA path (Triton kernels selected as for a GPU) on fake CUDA tensors, on a CPU-only torch.
+
+Target and draft are built on the meta device and placed on fake cuda:0 (tests/fake_cuda.py): prefill
+(a 4,000-token prompt and short ones) and the decode step (K = 0 and 3, greedy and sampling, batch 1
+and 4) run through ModelRunner with every kernel registered as a torch.library.triton_op. What fails
+here fails on a GPU too: a CPU tensor meeting a CUDA one, a host sync inside the step, a kernel wrapper
+that does not trace, a kernel that does not compile for sm_90 or needs more shared memory than an H200
+has. Numerics are not checked here (fake tensors hold no values): tests/test_kernels.py does that.
+
+Under TRITON_INTERPRET=1 (conftest sets it on CPU) kernels are InterpretedFunctions, which run eagerly
+only, so the tests run in a child pytest process with TRITON_INTERPRET=0 (the first test below).
+Fake tensors run under no_grad, not inference_mode: under inference_mode FakeTensorMode constant-folds
+one-element tensors for real, on the CUDA device a CPU-only build lacks.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from fake_cuda import (
+    CUDA,
+    H200_SHARED_MEMORY,
+    OpLog,
+    compile_for_h200,
+    interpreted,
+    recorded_launches,
+    register_cuda_device_guard,
+    resource_usage,
+    use_h200_target,
+)
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from redline.config import ModelConfig
+from redline.engine.runner import ModelRunner
+from redline.models.eagle3 import Eagle3Draft, draft_config_for
+from redline.models.llama import LlamaForCausalLM
+from redline.sampling import SamplingParams
+
+pytest.importorskip("triton")
+in_child = pytest.mark.skipif(interpreted(), reason="runs in test_fake_cuda_in_a_child_process")
+
+ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}  # fmt: skip
+LLAMA3 = dict(
+    architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=64, intermediate_size=112,
+    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+    rope_theta=500000.0, rope_scaling=ROPE,
+)  # fmt: skip
+LLAMA4 = dict(  # MoE with 16 experts: a batch-4, K = 3 step (16 tokens) takes the top-1 kernel
+    architectures=["Llama4ForCausalLM"], vocab_size=512, hidden_size=64, intermediate_size=48,
+    intermediate_size_mlp=112, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, num_local_experts=16, num_experts_per_tok=1, interleave_moe_layer_step=2,
+    attention_chunk_size=1024, use_qk_norm=True, attn_temperature_tuning=4, floor_scale=8192,
+    attn_scale=0.1, max_position_embeddings=8192, rope_theta=500000.0, rope_scaling=ROPE,
+)  # fmt: skip
+LLAMA31_8B = dict(LLAMA3, vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                  num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8)  # fmt: skip
+MAVERICK = dict(LLAMA4, vocab_size=202048, hidden_size=5120, intermediate_size=8192,
+                intermediate_size_mlp=16384, num_attention_heads=40, num_key_value_heads=8,
+                head_dim=128, num_local_experts=128, attention_chunk_size=8192)  # fmt: skip
+PROMPT = 4000
+KERNELS = {
+    "redline::decode_attention",
+    "redline::prefill_attention",
+    "redline::add_rms_norm",
+    "redline::swiglu",
+}
+
+
+@pytest.mark.skipif(not interpreted(), reason="this process runs them itself")
+def test_fake_cuda_in_a_child_process(tmp_path):
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    root = Path(__file__).parent.parent
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not child_process"]
+    proc = subprocess.run(
+        [*command, str(Path(__file__))], env=env, cwd=root, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "skipped" not in summary, summary
+
+
+@pytest.fixture(scope="module")
+def fake_cuda():
+    register_cuda_device_guard()
+    use_h200_target()
+    with FakeTensorMode(), torch.no_grad():
+        yield
+
+
+def fake_model(raw: dict, draft: bool, dtype: torch.dtype = torch.bfloat16):
+    """Target (and an EAGLE-3 draft over half the vocabulary) built on meta, placed on fake cuda:0."""
+    config = ModelConfig.from_dict(raw)
+    with torch._subclasses.fake_tensor.unset_fake_temporarily(), torch.device("meta"):
+        model = LlamaForCausalLM(config).to(dtype)
+        head = Eagle3Draft(draft_config_for(config, config.vocab_size // 2)).to(dtype) if draft else None
+    place = lambda t: torch.empty(t.shape, dtype=t.dtype, device=CUDA)
+    model._apply(place)
+    model.model.rotary.materialize(CUDA)
+    if head is not None:
+        head._apply(place)
+        head.rotary.materialize(CUDA)
+        head.attach(model)
+    return model, head
+
+
+def serve(runner: ModelRunner, prefill_log: OpLog, step_log: OpLog) -> list[torch.Tensor]:
+    """A 4,000-token greedy prompt in slot 0 and short sampling prompts in slots 1-3, then steps over
+    1 and 4 rows, greedy and sampling; the engine's calls are logged."""
+    outs = []
+    with prefill_log:
+        outs.append(runner.prefill_on_device(0, list(range(5, 5 + PROMPT)), SamplingParams(), seed=0))
+        for slot in (1, 2, 3):
+            params = SamplingParams(temperature=0.8, top_p=0.9, top_k=20)
+            outs.append(runner.prefill_on_device(slot, list(range(7, 7 + 3 * slot)), params, seed=slot))
+    kv_len = runner.kv_len_for(PROMPT + 8)
+    with step_log:
+        for rows in (1, 4):
+            for sampling in (False, True):
+                outs.append(runner.run_step(rows, kv_len, sampling))
+    return outs
+
+
+def assert_on_device(prefill_log: OpLog, step_log: OpLog) -> None:
+    """Nothing computes on the host; prefill stages its prompt ids there (torch.tensor(ids, device=...)
+    builds them on the host and copies: lift_fresh). A step may not even do that: a host-to-device copy
+    cannot be captured in a CUDA graph."""
+    assert set(prefill_log.off_device) <= {"aten::lift_fresh"}, sorted(set(prefill_log.off_device))
+    assert not step_log.off_device, (
+        f"ops that produced host tensors in the step: {sorted(set(step_log.off_device))}"
+    )
+
+
+@in_child
+@pytest.mark.parametrize("family", ["llama3", "llama4"])
+@pytest.mark.parametrize("k", [0, 3])
+def test_prefill_and_steps_on_fake_cuda(fake_cuda, family, k):
+    model, draft = fake_model(LLAMA3 if family == "llama3" else LLAMA4, draft=k > 0)
+    runner = ModelRunner(model, 4, PROMPT + 64, draft, k, cuda_graphs=False)
+    prefill_log, step_log = OpLog(), OpLog()
+    first, *_, step1_greedy, step1_sampling, step4_greedy, step4_sampling = serve(
+        runner, prefill_log, step_log
+    )
+    assert first.shape == (1, 1) and first.device == CUDA
+    for out, rows in [(step1_greedy, 1), (step1_sampling, 1), (step4_greedy, 4), (step4_sampling, 4)]:
+        assert out.shape == (rows, k + 2) and out.device == CUDA and out.dtype == torch.int64
+    ops = set(prefill_log.ops) | set(step_log.ops)
+    expected = KERNELS | ({"redline::moe_top1"} if family == "llama4" else set())
+    assert expected <= ops, f"kernels not reached: {expected - ops}"
+    assert "aten::scaled_dot_product_attention" not in ops  # cached attention stays in the kernels
+    assert "redline::prefill_attention" not in step_log.ops  # a step's K + 1 queries take the split-KV kernel
+    assert_on_device(prefill_log, step_log)
+
+
+@in_child
+def test_fp8_cache_on_fake_cuda(fake_cuda):
+    model, draft = fake_model(LLAMA4, draft=True)
+    runner = ModelRunner(
+        model, 4, PROMPT + 64, draft, 3, kv_cache_dtype=torch.float8_e4m3fn, cuda_graphs=False
+    )
+    assert runner.cache.layers[0][0].dtype == torch.float8_e4m3fn
+    prefill_log, step_log = OpLog(), OpLog()
+    serve(runner, prefill_log, step_log)
+    assert set(prefill_log.ops) | set(step_log.ops) >= KERNELS
+    assert_on_device(prefill_log, step_log)
+
+
+def _aot_graphs(graphs: list[torch.fx.GraphModule]):
+    from torch._dynamo.backends.common import aot_autograd
+
+    def keep(gm: torch.fx.GraphModule, _inputs):
+        graphs.append(gm)
+        return gm
+
+    return aot_autograd(fw_compiler=keep)
+
+
+def _triton_launches(graph: torch.fx.GraphModule) -> list[str]:
+    """Names of the Triton kernels the AOT graph launches (the kernels inductor would compile)."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    return [
+        kernel_side_table.get_kernel(node.kwargs["kernel_idx"]).fn.__name__
+        for node in graph.graph.nodes
+        if node.op == "call_function" and "triton_kernel_wrapper" in str(node.target)
+    ]
+
+
+@in_child
+def test_compiled_step_traces_the_kernels(fake_cuda):
+    """torch.compile(fullgraph=True) traces the decode step with kv_len a dynamic dimension, as
+    compiled_step.py does (with PDL launches, as on an H200): AOT autograd sees the Triton kernels
+    themselves (what inductor compiles), and a new kv_len compiles nothing."""
+    torch._dynamo.reset()
+    model, draft = fake_model(LLAMA4, draft=True)
+    runner = ModelRunner(model, 4, 1024, draft, 3, pdl=True, cuda_graphs=False)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def step(rows: int, kv_index: torch.Tensor, sampling: bool) -> torch.Tensor:
+        return runner.step(rows, kv_index.shape[0], sampling)
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=False, backend=_aot_graphs(graphs))
+    kv_index = torch.arange(runner.cache_len + 1, device=CUDA)
+    for kv_len in (128, 512):
+        view = kv_index[:kv_len]
+        torch._dynamo.mark_dynamic(view, 0, min=2, max=runner.cache_len)
+        compiled(4, view, True)
+    assert len(graphs) == 1
+    launched = set(_triton_launches(graphs[0]))
+    assert {"_split_kernel", "_add_rms_norm_kernel", "_swiglu_kernel", "_gate_up_kernel"} <= launched
+    assert "_prefill_kernel" not in launched
+
+
+@in_child
+@pytest.mark.parametrize("family", ["llama3", "llama4"])
+def test_compiled_prefill_traces_the_kernels(fake_cuda, family):
+    """torch.compile(fullgraph=True) traces the cached prompt forward with the prompt length a dynamic
+    dimension, as compiled_prefill.py does, into one graph through the prefill kernel: the step/prefill
+    choice (attention.py) never specializes the length. The length's lower bound is 16 (the padding
+    of compiled_prefill.py) or, for Llama 4, above the MoE layer's few-token branch (n <= experts)."""
+    torch._dynamo.reset()
+    model, _ = fake_model(LLAMA3 if family == "llama3" else LLAMA4, draft=False)
+    runner = ModelRunner(model, 4, 1024, cuda_graphs=False)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def prefill(tokens: torch.Tensor, cache: list) -> tuple:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
+        return model(tokens, positions, cache, 0, tokens.shape[1])
+
+    compiled = torch.compile(prefill, fullgraph=True, dynamic=False, backend=_aot_graphs(graphs))
+    views = [(k[1:2], v[1:2]) for k, v in runner.cache.layers]
+    shortest = 16 if family == "llama3" else model.config.num_experts + 1
+    for length in (shortest, 400):
+        tokens = torch.zeros((1, length), dtype=torch.int64, device=CUDA)
+        torch._dynamo.mark_dynamic(tokens, 1, min=shortest, max=runner.cache.max_len)
+        compiled(tokens, views)
+    assert len(graphs) == 1
+    launched = set(_triton_launches(graphs[0]))
+    assert {"_prefill_kernel", "_add_rms_norm_kernel", "_swiglu_kernel"} <= launched
+    assert "_split_kernel" not in launched
+
+
+@in_child
+@pytest.mark.parametrize(
+    "shape, kv_dtype, pdl",
+    [
+        (LLAMA31_8B, torch.bfloat16, True),
+        (LLAMA31_8B, torch.float8_e4m3fn, False),
+        (MAVERICK, torch.bfloat16, False),
+    ],
+    ids=["llama3.1-8b-pdl", "llama3.1-8b-fp8-cache", "llama4-maverick"],
+)
+def test_kernels_compile_for_h200(fake_cuda, shape, kv_dtype, pdl):
+    """Every kernel launch of a 4,000-token prefill, short prompts and K = 3 steps at real shapes (two
+    layers of the 8B; four of Maverick: RoPE and NoPE, dense and MoE with 128 experts) compiles for
+    sm_90 with Triton's ptxas, fits an H200's shared memory, spills no registers, and the prefill's
+    bf16 products run on tensor cores (wgmma). With pdl, the split-KV kernel compiles with
+    programmatic dependent launch (its gdc_wait)."""
+    model, draft = fake_model(shape, draft=True)
+    runner = ModelRunner(model, 4, PROMPT + 64, draft, 3, kv_cache_dtype=kv_dtype, pdl=pdl, cuda_graphs=False)
+    with recorded_launches() as launches:
+        serve(runner, OpLog(), OpLog())
+    seen, report = set(), []
+    for kernel, args, kwargs in launches:
+        key = (
+            kernel.fn.__name__,
+            tuple(_signature(a) for a in args),
+            tuple(sorted(map(str, kwargs.items()))),
+        )
+        if key in seen:
+            continue
+        seen.add(key)
+        compiled = compile_for_h200(kernel, args, kwargs)
+        usage = resource_usage(compiled)
+        report.append(f"{kernel.fn.__name__} shared={compiled.metadata.shared} {usage}")
+        assert compiled.metadata.shared <= H200_SHARED_MEMORY, report[-1]
+        assert " STACK:0 " in usage, f"registers spill to local memory: {report[-1]}"
+        if kernel.fn.__name__ == "_prefill_kernel":
+            assert "wgmma" in compiled.asm["ptx"], report[-1]
+        if kwargs.get("launch_pdl"):
+            assert "griddepcontrol.wait" in compiled.asm["ptx"], report[-1]
+    print("\n".join(report))
+    names = {name for name, *_ in seen}
+    assert {"_split_kernel", "_prefill_kernel", "_add_rms_norm_kernel", "_swiglu_kernel"} <= names
+    assert "_gate_up_kernel" in names or shape is not MAVERICK
+    assert any("launch_pdl" in str(key) for key in seen) == pdl
+
+
+def _signature(a: object) -> object:
+    """What Triton specializes a launch on: tensor dtypes, and for ints whether they are 1 or multiples
+    of 16 (prompt lengths 4,000 and 4,016 share a compiled kernel)."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype
+    if isinstance(a, int) and not isinstance(a, bool):
+        return ("int", a == 1, a % 16 == 0)
+    return a

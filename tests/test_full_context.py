@@ -1,0 +1,63 @@
+"""Requests that fill their slot to exactly the context window, with a draft that is always accepted.
+
+Every step then emits K + 1 tokens, so a request ends with its slot's position up to K past the window,
+and the slot, now free, is still computed while it lies inside the batch bucket of the others. Its writes
+must stay inside the cache whatever state it holds, and every request must run to its last token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_hf_model, llama3_hf_config, save_hf_model
+from safetensors.torch import load_file, save_file
+
+from redline import LLM, SamplingParams
+from redline.models.random_init import write_random_draft
+
+CONTEXT = 160
+
+
+@pytest.fixture(scope="module")
+def zero_logit_pair(tmp_path_factory, tokenizer_dir):
+    """A target and a draft whose final norm weights are zero: every logit is 0, so both always choose
+    token 0 (argmax takes the first of equal values), and the target accepts every draft."""
+    root = tmp_path_factory.mktemp("zero_logits")
+    model = build_hf_model(llama3_hf_config(max_position_embeddings=CONTEXT))
+    with torch.no_grad():
+        model.model.norm.weight.zero_()
+    target = save_hf_model(model, root / "target", tokenizer_dir)
+    draft = write_random_draft(target, root / "draft")  # full vocabulary: draft id 0 is target id 0
+    weights = load_file(draft / "model.safetensors")
+    weights["norm.weight"].zero_()
+    save_file(weights, draft / "model.safetensors")
+    return target, draft
+
+
+CUDA = pytest.param(
+    "cuda",
+    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_requests_run_to_the_context_limit_with_every_draft_accepted(zero_logit_pair, k, batch, device):
+    """On CUDA through the Triton kernels and a CUDA graph per step shape, captured at start-up."""
+    target, draft = zero_logit_pair
+    kw = dict(max_batch=batch, max_seq_len=CONTEXT, draft=draft, num_draft_tokens=k, progress=False)
+    llm = LLM(target, dtype="float32", device=device, **kw)
+    # Staggered prompt lengths, so requests end at different steps and slots are reused after ending.
+    # After the first token, m steps of K + 1 leave 1 token for the last step, which still advances the
+    # slot by K + 1: it ends at CONTEXT + K - 1, the furthest a slot can go (n = CONTEXT - 2 - m (K + 1)).
+    steps = torch.randperm((CONTEXT - 3) // (k + 1))[: 3 * batch] + 1
+    lengths = (CONTEXT - 2 - steps * (k + 1)).tolist()
+    prompts = [torch.randint(5, 384, (n,)).tolist() for n in lengths]
+    params = [SamplingParams(max_tokens=CONTEXT - n, ignore_eos=True) for n in lengths]
+    for n, params_i, c in zip(lengths, params, llm.generate(prompts, params), strict=True):
+        assert c.token_ids == [0] * params_i.max_tokens and c.finish_reason == "length"
+        assert n + len(c.token_ids) == CONTEXT
+        assert c.acceptance_length == k + 1  # every step accepted all K drafts
+    state = llm.runner.state
+    assert not state.active.any()
