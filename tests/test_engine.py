@@ -13,7 +13,7 @@ from redline.engine.request import Request
 def llm(tmp_path_factory, tokenizer_dir):
     from conftest import build_hf_model, llama3_hf_config, save_hf_model
 
-    hf = build_hf_model(llama3_hf_config(tie_word_embeddings=False))
+    hf = build_hf_model(llama3_hf_config(tie_word_embeddings=False), seed=3)  # texts long enough to cut
     return LLM(save_hf_model(hf, tmp_path_factory.mktemp("api"), tokenizer_dir), dtype="float32", max_batch=4)
 
 
@@ -38,6 +38,7 @@ def test_stop_string_cuts_the_text_and_the_tokens(llm):
     prompt = "class Foo:"
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     [full] = llm.generate(prompt, params)
+    assert len(full.text) >= 13
     stop = full.text[10:13]
     [stopped] = llm.generate(prompt, SamplingParams(max_tokens=48, ignore_eos=True, stop=[stop]))
     assert stopped.finish_reason == "stop"

@@ -193,9 +193,10 @@ def _triton_launches(graph: torch.fx.GraphModule) -> list[str]:
 
 @in_child
 def test_compiled_step_traces_the_kernels(fake_cuda):
-    """torch.compile(fullgraph=True) traces the decode step with kv_len a dynamic dimension, as
-    compiled_step.py does (with PDL launches, as on an H200): AOT autograd sees the Triton kernels
-    themselves (what inductor compiles), and a new kv_len compiles nothing."""
+    """torch.compile(fullgraph=True) traces the decode step with kv_len a dynamic dimension (with PDL
+    launches, as on an H200): AOT autograd sees the Triton kernels themselves (what inductor compiles),
+    and a new kv_len compiles nothing. compiled_step.py marks kv_len unbacked; under FakeTensorMode
+    dynamo ignores mark_unbacked (each kv_len would compile), so this marks it dynamic with a range."""
     torch._dynamo.reset()
     model, draft = fake_model(LLAMA4, draft=True)
     runner = ModelRunner(model, 4, 1024, draft, 3, pdl=True, cuda_graphs=False)

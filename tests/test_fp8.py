@@ -8,6 +8,8 @@ import json
 import pytest
 import torch
 from conftest import build_hf_model, llama3_hf_config, llama4_hf_config, save_hf_model
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from redline import LLM, SamplingParams
 from redline.config import ConfigError
@@ -66,6 +68,40 @@ def test_fp8_experts_match_dequantized_reference():
     order = torch.argsort(which, stable=True)
     grouped = fp8.forward_grouped(x[order], torch.tensor([2, 3, 4, 6], dtype=torch.int32))
     torch.testing.assert_close(grouped, got[order], atol=1e-5, rtol=1e-5)
+
+
+class LargestFp32(TorchDispatchMode):
+    """The most elements any op's fp32 output holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        sizes = [
+            t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.dtype == torch.float32
+        ]
+        self.largest = max([self.largest, *sizes])
+        return out
+
+
+def test_fp8_experts_quantize_one_expert_at_a_time():
+    """Quantizing on load (--dtype fp8) must not hold fp32 copies of a whole fused expert tensor: for
+    Maverick's gate_up that would be 86 GB per layer. Every fp32 temporary is one expert's size."""
+    from redline.layers.moe import Experts
+
+    experts = Experts(8, 64, 48).to(torch.bfloat16)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 0.1)
+        experts.down_proj.normal_(0, 0.1)
+    log = LargestFp32()
+    with log:
+        fp8 = Fp8Experts.from_experts(experts)
+    assert log.largest == 64 * 96  # one expert's gate_up [H, 2I]
+    q, scale = quantize(experts.gate_up_proj.float(), dim=1)  # the whole tensor at once: the same values
+    assert torch.equal(fp8.gate_up_proj.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(fp8.gate_up_proj_scale, scale)
 
 
 def _close_logits(dir_a, dir_b, tokens: torch.Tensor) -> float:

@@ -34,20 +34,29 @@ def zero_logit_pair(tmp_path_factory, tokenizer_dir):
     return target, draft
 
 
-CUDA = pytest.param(
-    "cuda",
-    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
-)
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU)])
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_requests_run_to_the_context_limit_with_every_draft_accepted(zero_logit_pair, k, batch, device):
     """On CUDA through the Triton kernels and a CUDA graph per step shape, captured at start-up."""
-    target, draft = zero_logit_pair
+    run_to_the_limit(*zero_logit_pair, k, batch, device=device)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_cuda_runs_to_the_context_limit(zero_logit_pair):
+    """The CUDA graphs capture the compiled step (kv_len unbacked) with PDL launches on Hopper and newer;
+    the prompt goes through the compiled prefill."""
+    hopper = torch.cuda.get_device_capability() >= (9, 0)
+    run_to_the_limit(*zero_logit_pair, k=3, batch=4, device="cuda", compile=True, pdl=hopper)
+
+
+def run_to_the_limit(target, draft, k: int, batch: int, **engine) -> None:
     kw = dict(max_batch=batch, max_seq_len=CONTEXT, draft=draft, num_draft_tokens=k, progress=False)
-    llm = LLM(target, dtype="float32", device=device, **kw)
+    llm = LLM(target, dtype="float32", **kw, **engine)
     # Staggered prompt lengths, so requests end at different steps and slots are reused after ending.
     # After the first token, m steps of K + 1 leave 1 token for the last step, which still advances the
     # slot by K + 1: it ends at CONTEXT + K - 1, the furthest a slot can go (n = CONTEXT - 2 - m (K + 1)).
@@ -59,5 +68,4 @@ def test_requests_run_to_the_context_limit_with_every_draft_accepted(zero_logit_
         assert c.token_ids == [0] * params_i.max_tokens and c.finish_reason == "length"
         assert n + len(c.token_ids) == CONTEXT
         assert c.acceptance_length == k + 1  # every step accepted all K drafts
-    state = llm.runner.state
-    assert not state.active.any()
+    assert not llm.runner.state.active.any()

@@ -57,6 +57,7 @@ class ModelRunner:
                 select_kernels(module, triton_by_default(self.device), pdl)
                 select_cpu_paths(module, compile)
         # writes reach pos + K (target) and pos + 2K - 1 (draft chain) beyond the last real token
+        self.max_len = max_len  # prompt + output tokens of a request
         self.cache_len = max_len + 2 * self.k + 1
         kv_dtype = kv_cache_dtype or param.dtype
         self.cache = KVCache(model.config, slots, self.cache_len, kv_dtype, self.device)
@@ -118,9 +119,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self, progress: bool = True) -> None:
-        """Compiles the prefill and every step shape (and captures each as a CUDA graph), then forbids
-        new ones. Runs before any request: free slots compute at position 0 and never advance, and the
-        KV entries written are rewritten before they are read."""
+        """Compiles the prefill and every step shape (and captures each as a CUDA graph), runs one prompt
+        through the eager parts (their Triton kernels compile on first use), then forbids new shapes.
+        Runs before any request: free slots compute at position 0 and never advance, the prompt's slot is
+        released again, and the KV entries written are rewritten before they are read."""
         work: list[tuple[str, Callable[[], object]]] = []
         if self.compiled_prefill is not None:
             prefill = self.compiled_prefill
@@ -129,10 +131,14 @@ class ModelRunner:
                 work.append((f"prefill {n}", lambda tokens=tokens: prefill(tokens, 0)))
         for rows, kv_len, sampling in self.step_keys():
             work.append((f"step {rows}x{kv_len}", lambda k=(rows, kv_len, sampling): self._run_step(*k)))
+        # a whole prompt, the draft's eager priming pass included: on CUDA its Triton kernels compile here
+        prompt = [0] * max(1, min(20, self.max_len - 1))
+        work.append(("prompt", lambda: self.prefill_on_device(0, prompt, SamplingParams(), seed=0)))
         with tqdm(work, desc="compiling" if self.compiled_step else "capturing", disable=not progress) as bar:
             for name, run in bar:
                 bar.set_postfix_str(name)
                 run()
+        self.release(0)
         for stage in (self.compiled_prefill, self.compiled_step, self.graphed_step):
             if stage is not None:
                 stage.freeze()

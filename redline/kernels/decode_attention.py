@@ -53,7 +53,9 @@ def decode_attention_reference(
     return sdpa_attention(q.float(), keys.float(), values.float(), mask).to(q.dtype)
 
 
-@triton.jit
+# ints that change from call to call: not specialized (Triton would compile a variant for values that are
+# 1 or multiples of 16, and a new variant mid-serving is a latency spike)
+@triton.jit(do_not_specialize=["slot_start", "kv_len", "split_len"])
 def _split_kernel(
     q_ptr,
     k_ptr,

@@ -56,7 +56,9 @@ def prefill_attention_reference(
     return decode_attention_reference(q, k_cache, v_cache, positions, slot_start, kv_len, chunk)
 
 
-@triton.jit
+# ints that change from prompt to prompt: not specialized (Triton would compile a variant for values that
+# are 1 or multiples of 16, and a new variant mid-serving is a latency spike)
+@triton.jit(do_not_specialize=["num_tokens", "slot_start", "kv_len"])
 def _prefill_kernel(
     q_ptr,
     k_ptr,

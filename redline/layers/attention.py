@@ -102,7 +102,7 @@ class Attention(nn.Module):
         else:
             self._write(cache, k, v, batch)
             # A decode step has K + 1 <= STEP_QUERIES queries, a static int; a compiled prefill's length
-            # is a dynamic dimension >= 16, which this comparison never specializes.
+            # is a dynamic dimension >= 16, which this comparison only guards (> 9), never splits.
             kernel = self.step_kernel if x.shape[1] <= STEP_QUERIES else self.prefill_kernel
             if kernel is not None:
                 out = kernel(q, *cache, batch.positions, batch.slot_start, batch.kv_len, self.chunk)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from redline.layers.grouped_mm import loop_over_groups
-from redline.quant.fp8 import FP8, dequantize, quantize
+from redline.quant.fp8 import FP8, dequantize, quantize_per_expert
 
 
 @torch.library.custom_op("redline::fp8_grouped_mm", mutates_args=())
@@ -61,8 +61,9 @@ class Fp8Experts(nn.Module):
         e, h, two_i = experts.gate_up_proj.shape
         with torch.device("meta"):
             layer = cls(e, h, two_i // 2)
-        gate_up, gate_up_scale = quantize(experts.gate_up_proj.detach(), dim=1)  # scale [E, 1, 2I]
-        down, down_scale = quantize(experts.down_proj.detach(), dim=1)  # scale [E, 1, H]
+        # one expert at a time: the fp32 temporaries stay the size of one expert (quantize on load)
+        gate_up, gate_up_scale = quantize_per_expert(experts.gate_up_proj.detach())  # scale [E, 1, 2I]
+        down, down_scale = quantize_per_expert(experts.down_proj.detach())  # scale [E, 1, H]
         tensors = dict(gate_up_proj=gate_up, gate_up_proj_scale=gate_up_scale, down_proj=down,
                        down_proj_scale=down_scale.transpose(1, 2).contiguous())  # fmt: skip
         for name, tensor in tensors.items():
