@@ -1,4 +1,5 @@
-"""Command line: `redline generate | info | init-random | train-target | train-draft | demo | bench`."""
+"""Command line: `redline generate | info | init-random | train-target | train-draft | demo | bench |
+import-gguf | quantize | eval | serve`."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from redline.config import ModelConfig
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, type=Path, help="Hugging Face checkpoint directory")
+    p.add_argument(
+        "--model", required=True, type=Path, help="Hugging Face checkpoint directory or a llama .gguf file"
+    )
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32 | fp8 (FP8 weights)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
 
@@ -65,7 +68,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    c = ModelConfig.from_dir(args.model)
+    model = args.model
+    if model.suffix == ".gguf":
+        import torch
+
+        from redline.models.gguf import gguf_model_dir
+
+        model = gguf_model_dir(model, torch.bfloat16)
+    c = ModelConfig.from_dir(model)
     print(f"architecture: {c.architecture} ({c.family})")
     print(f"parameters: ~{c.num_params_estimate / 1e6:.1f}M")
     print(
@@ -127,12 +137,16 @@ def cmd_train_target(args: argparse.Namespace) -> int:
 
 
 def cmd_train_draft(args: argparse.Namespace) -> int:
+    from redline.data.sources import resolve
     from redline.train.draft import DraftRecipe, train_draft
 
-    summary = train_draft(args.target, args.out, _recipe(DraftRecipe, args), args.data, resume=args.resume)
+    data = resolve(args.data, training=True) if args.data else None
+    summary = train_draft(args.target, args.out, _recipe(DraftRecipe, args), data, resume=args.resume,
+                          budget_minutes=args.budget_minutes)  # fmt: skip
     accuracy = ", ".join(f"{summary[k]:.2f}" for k in summary if k.startswith("acc"))
     print(
-        f"wrote {args.out}: final TTT loss {summary['final_loss']:.3f}, top-1 agreement per step: {accuracy}"
+        f"wrote {args.out}: {summary['sequences']} answers, {summary['steps_done']} steps, final TTT loss "
+        f"{summary['final_loss']:.3f}, top-1 agreement per step: {accuracy}"
     )
     return 0
 
@@ -159,10 +173,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _bench_server(args)
     if args.model is None:
         raise ValueError("redline bench needs --model DIR (engine benchmark) or --url URL (server load test)")
+    if args.dataset or _given(args, SERVE_FLAGS):
+        raise ValueError(f"--dataset and {', '.join(SERVE_FLAGS)} go with --url; use --data with --model")
     if any(not 1 <= k <= 8 for k in args.num_draft_tokens):
         raise ValueError(f"--num-draft-tokens values must be in 1..8, got {args.num_draft_tokens}")
     settings = BenchSettings(
-        args.max_tokens, args.prompts, args.prompt_len, args.repeats, args.dtype, args.compile, not args.no_hf
+        max_tokens=args.max_tokens,
+        num_prompts=args.prompts,
+        prompt_len=args.prompt_len,
+        repeats=args.repeats,
+        dtype=args.dtype,
+        compile=args.compile,
+        hf=not args.no_hf,
+        data=args.data,
     )
     result = {
         "machine": machine.describe(),
@@ -178,16 +201,72 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+SERVE_FLAGS = ("--num-prompts", "--request-rate", "--max-concurrency", "--max-output-tokens", "--tokenizer")
+
+
+def _given(args: argparse.Namespace, flags: tuple[str, ...]) -> bool:
+    return any(getattr(args, flag[2:].replace("-", "_")) is not None for flag in flags)
+
+
 def _bench_server(args: argparse.Namespace) -> int:
-    from redline.benchmark import machine, report
+    from redline.benchmark import machine
     from redline.benchmark.load import load_table, run_load
 
+    if args.dataset:
+        return _bench_dataset(args)
+    if _given(args, SERVE_FLAGS):
+        raise ValueError(f"{', '.join(SERVE_FLAGS)} replay a data set: add --dataset sharegpt")
     result = {"machine": machine.describe(), **run_load(args.url, args.concurrency, args.requests_per_client,
                                                         args.max_tokens, args.api_key)}  # fmt: skip
-    print(load_table(result))
-    if args.json:
-        report.write_json(result, args.json)
-        print(f"wrote {args.json}")
+    return _show(load_table(result), result, args.json)
+
+
+def _show(table: str, result: dict, json_path: Path | None) -> int:
+    from redline.benchmark import report
+
+    print(table)
+    if json_path:
+        report.write_json(result, json_path)
+        print(f"wrote {json_path}")
+    return 0
+
+
+def _bench_dataset(args: argparse.Namespace) -> int:
+    import math
+
+    from redline.benchmark import machine
+    from redline.benchmark.serve_bench import ServeSettings, run_serve_bench
+    from redline.benchmark.serve_report import serve_table
+
+    if args.tokenizer is None:
+        raise ValueError(
+            "--dataset sharegpt needs --tokenizer DIR (the served model's directory): each request's "
+            "max_tokens is its real answer's length in the model's tokens"
+        )
+    settings = ServeSettings(
+        args.tokenizer,
+        num_prompts=100 if args.num_prompts is None else args.num_prompts,
+        request_rate=math.inf if args.request_rate is None else args.request_rate,
+        max_concurrency=args.max_concurrency,
+        max_output_tokens=256 if args.max_output_tokens is None else args.max_output_tokens,
+        ignore_eos=args.ignore_eos,
+        seed=args.seed,
+    )
+    result = {"machine": machine.describe(), **run_serve_bench(args.url, settings, args.api_key)}
+    return _show(serve_table(result), result, args.json)
+
+
+def cmd_import_gguf(args: argparse.Namespace) -> int:
+    from redline.engine.llm import parse_dtype
+    from redline.models.gguf import import_gguf
+    from redline.models.shards import DEFAULT_SHARD_BYTES
+
+    if args.out.exists() and any(args.out.iterdir()):
+        raise ValueError(f"{args.out} is not empty: import into a new directory")
+    shard_bytes = DEFAULT_SHARD_BYTES if args.max_shard_gb is None else int(args.max_shard_gb * 10**9)
+    import_gguf(args.gguf, args.out, parse_dtype(args.dtype), max_shard_bytes=shard_bytes)
+    files = sorted(p.name for p in args.out.iterdir())
+    print(f"wrote {args.out}: {', '.join(files)}")
     return 0
 
 
@@ -203,14 +282,23 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     import json
 
+    from redline.data.sources import resolve
+    from redline.evaluate import public_sets
     from redline.evaluate.run import EvalConfig, eval_table, evaluate, parse_config
     from redline.evaluate.tasks import load_tasks
     from redline.train import data
 
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be at least 1, got {args.limit}")
     configs = [EvalConfig(args.dtype, args.model, args.dtype)]
     configs += [parse_config(spec, configs[0]) for spec in args.compare]
-    texts = data.load_texts(args.text) if args.text else data.split_stdlib()[1]
-    rows = evaluate(configs, load_tasks(args.data), texts, args.windows, device=args.device)
+    source = resolve(args.data)
+    if isinstance(source, str):  # a built-in set: its own held-out text for perplexity
+        tasks, texts = public_sets.tasks(source), public_sets.texts(source)
+    else:
+        tasks, texts = load_tasks(source), data.split_stdlib()[1]
+    texts = data.load_texts(args.text) if args.text else texts
+    rows = evaluate(configs, tasks[: args.limit], texts, args.windows, device=args.device)
     print(eval_table(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
@@ -268,8 +356,16 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("train-draft", help="train an EAGLE-3 draft for a target (training-time test)")
     d.add_argument("--target", required=True, type=Path, help="target checkpoint directory")
     d.add_argument("--out", required=True, type=Path)
-    d.add_argument("--data", type=Path, default=None, help="JSONL, text file or directory (default: stdlib)")
-    d.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    d.add_argument(
+        "--data", default=None, help="sharegpt | JSONL, text file or directory (default: the stdlib corpus)"
+    )
+    d.add_argument(
+        "--budget-minutes",
+        type=float,
+        default=None,
+        help="size the answers and the training steps to this wall time (--num-prompts, --steps ignored)",
+    )
+    d.add_argument("--resume", action="store_true", help="continue an interrupted run in OUT (any stage)")
     _add_recipe_args(d, DraftRecipe)
     d.set_defaults(func=cmd_train_draft)
 
@@ -290,6 +386,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--requests-per-client", type=int, default=2, help="with --url")
     b.add_argument("--api-key", default=None, help="with --url")
+    b.add_argument(
+        "--dataset", choices=["sharegpt"], default=None, help="with --url: replay held-out conversations"
+    )
+    b.add_argument("--num-prompts", type=int, default=None, help="with --dataset: requests (default 100)")
+    b.add_argument(
+        "--request-rate",
+        type=float,
+        default=None,
+        help="with --dataset: Poisson arrivals per s (default inf)",
+    )
+    b.add_argument(
+        "--max-concurrency", type=int, default=None, help="with --dataset: most requests in flight"
+    )
+    b.add_argument(
+        "--max-output-tokens", type=int, default=None, help="with --dataset: cap on max_tokens (default 256)"
+    )
+    b.add_argument(
+        "--tokenizer", type=Path, default=None, help="with --dataset: the served model's directory"
+    )
+    b.add_argument("--ignore-eos", action="store_true", help="with --dataset: generate exactly max_tokens")
+    b.add_argument("--seed", type=int, default=0, help="with --dataset: seed of the arrival times")
+    b.add_argument(
+        "--data",
+        choices=["sharegpt", "humaneval"],
+        default=None,
+        help="with --model: prompts from this held-out set (default: the stdlib held-out files)",
+    )
     b.add_argument("--draft", type=Path, default=None)
     b.add_argument("--num-draft-tokens", type=_int_list, default=[1, 2, 3, 4, 5], help="e.g. 1,2,3")
     b.add_argument("--max-tokens", type=int, default=128)
@@ -303,6 +426,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", type=Path, default=None, help="PNG path")
     b.set_defaults(func=cmd_bench)
 
+    gg = sub.add_parser(
+        "import-gguf", help="a llama GGUF file as a Hugging Face directory (dequantized, safetensors)"
+    )
+    gg.add_argument("gguf", type=Path, help="the .gguf file (llama architecture)")
+    gg.add_argument("out", type=Path, help="the directory to write (new or empty)")
+    gg.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32: the weights' dtype")
+    gg.add_argument("--max-shard-gb", type=float, default=None, help="safetensors shard limit in GB")
+    gg.set_defaults(func=cmd_import_gguf)
+
     q = sub.add_parser("quantize", help="FP8 weights (per-channel scales), compressed-tensors layout")
     q.add_argument("--model", required=True, type=Path)
     q.add_argument("--out", required=True, type=Path)
@@ -313,11 +445,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="BF16 vs FP8 vs speculation: perplexity, KL, agreement, task accuracy")
     e.add_argument("--model", required=True, type=Path)
-    e.add_argument("--data", required=True, type=Path, help="JSONL task file (math, choice, code)")
+    e.add_argument(
+        "--data", required=True, help="humaneval | sharegpt | JSONL task file (math, choice, code)"
+    )
+    e.add_argument("--limit", type=int, default=None, help="evaluate the first N tasks only")
     e.add_argument("--compare", action="append", default=[], help="fp8 | bf16 | fp32 | spec:DRAFT_DIR | DIR")
     e.add_argument("--dtype", default="bf16", help="the base configuration: bf16 | fp32 | fp8")
     e.add_argument(
-        "--text", type=Path, default=None, help="held-out text (default: the stdlib held-out files)"
+        "--text",
+        type=Path,
+        default=None,
+        help="held-out text for perplexity (default: the set's own, or the stdlib held-out files)",
     )
     e.add_argument("--windows", type=int, default=16, help="256-token windows of text for perplexity / KL")
     e.add_argument("--device", default="cpu")
@@ -339,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:  # configuration and input errors: one clear line
         print(f"redline: error: {e}", file=sys.stderr)
         return 2
-    except (GenerationError, DeviceUnusableError) as e:  # the engine failed the request (out of memory, say)
+    except (GenerationError, DeviceUnusableError, ConnectionError) as e:  # the engine or a server failed
         print(f"redline: error: {e}", file=sys.stderr)
         return 1
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import socket
 import subprocess
 import sys
 
@@ -123,3 +125,35 @@ def test_generate_with_a_draft_prints_acceptance(model_dir, tmp_path, capsys):
         == 2
     )
     assert "num_draft_tokens must be in 1..8" in capsys.readouterr().err
+
+
+def test_bench_takes_prompts_from_a_held_out_set(model_dir, tmp_path):
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--model", str(model_dir), "--data", "humaneval", "--prompts", "2", "--max-tokens", "4"]
+    assert main([*argv, "--repeats", "1", "--no-hf", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["settings"]["data"] == "humaneval"
+    assert [r["engine"] for r in result["runs"]] == ["redline"]
+
+
+def test_data_flags_refuse_misuse(model_dir, tmp_path, capsys):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # a port nobody listens on
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    model, out = str(model_dir), str(tmp_path / "d")
+    cases = [
+        ("bench --model M --dataset sharegpt", 2, "go with --url"),
+        ("bench --url U --request-rate 2", 2, "add --dataset sharegpt"),
+        ("bench --url U --dataset sharegpt", 2, "needs --tokenizer DIR"),
+        ("bench --url U --dataset sharegpt --tokenizer M", 1, "cannot list the models"),
+        ("eval --model M --data missing.jsonl", 2, "neither a data set"),
+        ("eval --model M --data humaneval --limit 0", 2, "--limit must be"),
+        ("train-draft --target M --out D --data humaneval", 2, "never used for training"),
+    ]
+    names = {"M": model, "U": url, "D": out}
+    for line, code, message in cases:
+        assert main([names.get(word, word) for word in line.split()]) == code, line
+        assert message in capsys.readouterr().err, line
+    sock.close()
+    with pytest.raises(SystemExit):
+        main(["bench", "--model", model, "--data", "mmlu"])

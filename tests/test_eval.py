@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from redline.cli import main
+from redline.evaluate.sandbox import run_python
 from redline.evaluate.tasks import chosen_letter, final_answer, load_tasks, score
 
 TASKS = Path(__file__).parent / "data" / "tasks.jsonl"
@@ -37,6 +38,19 @@ def test_answer_extraction():
     assert final_answer("\\boxed{x+1} and then 7") == "x+1"
     assert final_answer("no digits") is None
     assert chosen_letter("The answer is (d)") == "D" and chosen_letter("none") is None
+
+
+def test_sandbox_contains_loops_allocations_and_files(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert run_python("import sys\nsys.exit(0)", timeout=30)
+    assert not run_python("raise SystemExit(3)", timeout=30)
+    assert not run_python("while True:\n    pass\n", timeout=1)  # killed at the timeout
+    assert not run_python("x = bytearray(4 * 2**30)", timeout=30)  # over the address-space limit
+    assert not run_python("open('big', 'wb').write(bytes(64 * 2**20))", timeout=30)  # over the file limit
+    assert run_python("import os\nassert os.listdir('.') == ['program.py']", timeout=30)  # a fresh directory
+    assert run_python("open('stray.txt', 'w').write('x')", timeout=30)
+    assert not (tmp_path / "stray.txt").exists()  # it wrote into its own temporary directory
+    assert run_python("import os\nassert 'HOME' not in os.environ", timeout=30)
 
 
 def test_bad_task_file(tmp_path):
@@ -69,3 +83,19 @@ def test_eval_compares_configurations(trained, tmp_path, capsys):
     assert 0 < fp8["kl_to_base"] < 0.05 and abs(fp8["perplexity"] / base["perplexity"] - 1) < 0.05
     assert set(base["accuracy"]) == {"math", "choice", "code"}
     assert "greedy = base" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["humaneval", "sharegpt"])
+def test_eval_on_a_held_out_set(trained, tmp_path, name):
+    out = tmp_path / "eval.json"
+    argv = ["eval", "--model", str(trained / "target"), "--data", name, "--limit", "2", "--dtype", "fp32"]
+    argv += ["--compare", f"spec:{trained / 'draft'}", "--windows", "2", "--json", str(out)]
+    assert main(argv) == 0
+    base, spec = json.loads(out.read_text())
+    assert spec["greedy_agreement"] == 1.0 and spec["kl_to_base"] < 1e-6
+    assert 1 < base["perplexity"] < 384  # the tiny model's vocabulary: better than uniform
+    if name == "humaneval":  # two problems, scored by running their tests: pass@1 is 0, 0.5 or 1
+        assert base["accuracy"].keys() == {"humaneval pass@1"}
+        assert base["accuracy"]["humaneval pass@1"] in (0.0, 0.5, 1.0)
+    else:  # chat prompts: agreement only, no checkable answers
+        assert base["accuracy"] == {}

@@ -1,42 +1,97 @@
-"""`redline bench --url URL --concurrency 1,2,4,8,16`: concurrent streaming clients against a running
-OpenAI-compatible server (redline's or any other).
+"""Streaming clients against a running OpenAI-compatible server (redline's or any other).
 
-At each concurrency C, C clients each send `requests_per_client` streaming completions one after
-another (greedy, fixed length via ignore_eos, prompts cut from the held-out files' text). Per request:
-time to first token, inter-token latency (t_last - t_first) / (tokens - 1), tokens/s per user
-(its inverse); per level: medians of those, total tokens/s (all tokens / wall time) and errors.
+`send` streams one greedy request (a chat to /v1/chat/completions, a text prompt to /v1/completions)
+and records when each chunk with text arrived and the token counts of the final usage chunk (without
+one, the number of text chunks). Any failure (an HTTP error status, an error event, a broken
+connection, a stream without text) marks that request failed with its error; the run goes on.
+
+`replay` sends requests as a Poisson process at `request_rate` per second (exponential gaps from a
+seeded generator; inf: all at once), with at most `max_concurrency` in flight (None: no limit).
+
+`run_load` is the fixed-length sweep of `redline bench --url --concurrency 1,2,4,8,16`: at each level C,
+C x requests_per_client completions of held-out stdlib text (ignore_eos: max_tokens each), at most C
+in flight. Per level: medians of time to first token, of each request's mean inter-token gap
+(t_last - t_first) / (tokens - 1) and of its inverse (tokens/s per user); total tokens/s; errors.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import math
+import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
-from redline.train import data
+from redline.benchmark.prompts import Request, stdlib_requests
+
+TIMEOUT_S = 600.0
 
 
 @dataclass
-class Sample:
-    ttft_s: float
-    itl_s: float
-    tokens: int
+class Result:
+    sent: float  # time.perf_counter() when the request was sent
+    prompt_tokens: int
+    chunks: list[float] = field(default_factory=list)  # arrival of each chunk that carried text
+    done: float = math.nan
+    output_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def ttft_s(self) -> float:
+        return self.chunks[0] - self.sent
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first: (t_last - t_first) / (tokens - 1)."""
+        if self.output_tokens < 2:
+            return None
+        return (self.chunks[-1] - self.chunks[0]) / (self.output_tokens - 1)
+
+    @property
+    def itls_s(self) -> list[float]:
+        """Gaps between consecutive text chunks (a chunk may carry several tokens)."""
+        return [b - a for a, b in itertools.pairwise(self.chunks)]
 
 
-def load_prompts(count: int, chars: int = 400) -> list[str]:
-    texts = data.split_stdlib()[1]
-    return [texts[i % len(texts)][(i // len(texts)) * chars :][:chars] for i in range(count)]
+@dataclass(frozen=True)
+class Pace:
+    request_rate: float = math.inf  # requests per second, Poisson arrivals; inf: all at once
+    max_concurrency: int | None = None  # most requests in flight; None: no limit
+    seed: int = 0  # of the arrival gaps
 
 
-async def _one(http: httpx.AsyncClient, url: str, body: dict) -> Sample:
-    start = time.perf_counter()
-    times: list[float] = []
-    tokens = 0
-    async with http.stream("POST", url + "/v1/completions", json=body) as response:
+@dataclass
+class Run:
+    results: list[Result]
+    duration_s: float  # first request sent to last request finished
+    peak_concurrency: int  # most requests in flight at once
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def model_card(url: str, api_key: str | None) -> dict:
+    """The first entry of GET /v1/models (its "id"; redline's also has "max_model_len")."""
+    try:
+        response = httpx.get(url + "/v1/models", headers=_headers(api_key), timeout=30)
+        response.raise_for_status()
+    except httpx.HTTPError as e:
+        raise ConnectionError(f"cannot list the models of the server at {url}: {e}") from e
+    return response.json()["data"][0]
+
+
+async def _stream(http: httpx.AsyncClient, url: str, body: dict, chat: bool, result: Result) -> None:
+    async with http.stream("POST", url, json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
         async for line in response.aiter_lines():
@@ -44,75 +99,100 @@ async def _one(http: httpx.AsyncClient, url: str, body: dict) -> Sample:
                 continue
             event = json.loads(line[6:])
             if "error" in event:
-                raise RuntimeError(event["error"]["message"])
+                raise RuntimeError(f"error event: {event['error'].get('message')}")
             if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-            if event["choices"] and event["choices"][0]["text"]:
-                times.append(time.perf_counter())
-    if not times or tokens < 2:
-        raise RuntimeError("stream ended without tokens")
-    return Sample(times[0] - start, (times[-1] - times[0]) / (tokens - 1), tokens)
+                result.prompt_tokens = event["usage"]["prompt_tokens"]
+                result.output_tokens = event["usage"]["completion_tokens"]
+            choice = (event.get("choices") or [{}])[0]
+            if choice.get("delta", {}).get("content") if chat else choice.get("text"):
+                result.chunks.append(time.perf_counter())
+    if not result.chunks:
+        raise RuntimeError("the stream ended without text")
+    result.output_tokens = result.output_tokens or len(result.chunks)
 
 
-async def run_level(
-    url: str, model: str, concurrency: int, requests_per_client: int, max_tokens: int, api_key: str | None
-) -> dict:
-    prompts = load_prompts(concurrency * requests_per_client)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    samples: list[Sample] = []
-    errors: list[str] = []
+async def send(http: httpx.AsyncClient, url: str, model: str, request: Request) -> Result:
+    chat = not isinstance(request.prompt, str)
+    body = {"model": model, "max_tokens": request.max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    body |= {"messages": list(request.prompt)} if chat else {"prompt": request.prompt}
+    if request.ignore_eos:
+        body["ignore_eos"] = True
+    result = Result(time.perf_counter(), request.prompt_tokens)
+    try:
+        await _stream(http, url + ("/v1/chat/completions" if chat else "/v1/completions"), body, chat, result)
+    except Exception as e:  # this request failed; the others go on
+        result.error = f"{type(e).__name__}: {e}"
+    result.done = time.perf_counter()
+    return result
 
-    async def client(index: int, http: httpx.AsyncClient) -> None:
-        for r in range(requests_per_client):
-            prompt = prompts[index * requests_per_client + r]
-            body = {
-                "model": model,
-                "prompt": prompt,
-                "max_tokens": max_tokens,
-                "temperature": 0,
-                "stream": True,
-            }
-            body |= {"ignore_eos": True, "stream_options": {"include_usage": True}}
+
+async def _replay(url: str, model: str, requests: list[Request], pace: Pace, api_key: str | None) -> Run:
+    gaps = random.Random(pace.seed)
+    limit = asyncio.Semaphore(pace.max_concurrency or len(requests))
+    in_flight, peak = 0, 0
+
+    async def one(http: httpx.AsyncClient, request: Request) -> Result:
+        nonlocal in_flight, peak
+        async with limit:
+            in_flight += 1
+            peak = max(peak, in_flight)
             try:
-                samples.append(await _one(http, url, body))
-            except Exception as e:  # counted, reported, and the run goes on
-                errors.append(str(e))
+                return await send(http, url, model, request)
+            finally:
+                in_flight -= 1
 
-    limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=600, headers=headers, limits=limits) as http:
-        start = time.perf_counter()
-        await asyncio.gather(*(client(i, http) for i in range(concurrency)))
-        wall = time.perf_counter() - start
-    ok = samples or [Sample(float("nan"), float("nan"), 0)]
+    connections = httpx.Limits(max_connections=(pace.max_concurrency or len(requests)) + 4)
+    async with httpx.AsyncClient(timeout=TIMEOUT_S, headers=_headers(api_key), limits=connections) as http:
+        start, tasks = time.perf_counter(), []
+        for i, request in enumerate(requests):
+            if i and math.isfinite(pace.request_rate):
+                await asyncio.sleep(gaps.expovariate(pace.request_rate))
+            tasks.append(asyncio.create_task(one(http, request)))
+        results = await asyncio.gather(*tasks)
+        return Run(list(results), time.perf_counter() - start, peak)
+
+
+def replay(url: str, model: str, requests: list[Request], pace: Pace, api_key: str | None = None) -> Run:
+    if not requests:
+        raise ValueError("no requests to send")
+    if not pace.request_rate > 0:
+        raise ValueError(f"--request-rate must be positive, got {pace.request_rate}")
+    if pace.max_concurrency is not None and pace.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be at least 1, got {pace.max_concurrency}")
+    return asyncio.run(_replay(url, model, requests, pace, api_key))
+
+
+def run_level(url: str, model: str, concurrency: int, requests_per_client: int, max_tokens: int,
+              api_key: str | None) -> dict:  # fmt: skip
+    requests = stdlib_requests(concurrency * requests_per_client, max_tokens)
+    run = replay(url, model, requests, Pace(max_concurrency=concurrency), api_key)
+    ok = [r for r in run.results if r.ok and r.output_tokens > 1]
+    errors = [r.error or "fewer than 2 tokens" for r in run.results if not (r.ok and r.output_tokens > 1)]
+
+    def median(values: list[float]) -> float:
+        return statistics.median(values) if values else math.nan
+
     return {
         "concurrency": concurrency,
-        "requests": len(samples),
+        "requests": len(ok),
         "errors": len(errors),
         "error_examples": errors[:3],
-        "ttft_s_median": statistics.median(s.ttft_s for s in ok),
-        "itl_s_median": statistics.median(s.itl_s for s in ok),
-        "tps_user_median": statistics.median(1 / s.itl_s for s in ok) if samples else float("nan"),
-        "tps_total": sum(s.tokens for s in samples) / wall,
-        "wall_s": wall,
+        "ttft_s_median": median([r.ttft_s for r in ok]),
+        "itl_s_median": median([r.tpot_s for r in ok]),
+        "tps_user_median": median([1 / r.tpot_s for r in ok if r.tpot_s]),  # type: ignore[operator]
+        "tps_total": sum(r.output_tokens for r in ok) / run.duration_s,
+        "wall_s": run.duration_s,
     }
-
-
-def served_model(url: str, api_key: str | None) -> str:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    response = httpx.get(url + "/v1/models", headers=headers, timeout=30)
-    response.raise_for_status()
-    return response.json()["data"][0]["id"]
 
 
 def run_load(
     url: str, levels: list[int], requests_per_client: int, max_tokens: int, api_key: str | None = None
 ) -> dict:
     url = url.rstrip("/")
-    model = served_model(url, api_key)
-    asyncio.run(run_level(url, model, 1, 1, 8, api_key))  # warm-up
-    results = [
-        asyncio.run(run_level(url, model, c, requests_per_client, max_tokens, api_key)) for c in levels
-    ]
+    model = model_card(url, api_key)["id"]
+    run_level(url, model, 1, 1, 8, api_key)  # warm-up
+    results = [run_level(url, model, c, requests_per_client, max_tokens, api_key) for c in levels]
     return {"url": url, "model": model, "max_tokens": max_tokens, "levels": results}
 
 

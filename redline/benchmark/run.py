@@ -1,6 +1,8 @@
 """`redline bench`: HF generate, redline plain decode and redline + EAGLE-3 for each K, in one process, on
 the same weights, prompts, dtype and thread count; batch 1, greedy, fixed-length completions.
 
+Prompts: windows of `prompt_len` tokens cut from the stdlib held-out files, or with `data` the first
+whole prompts of a held-out set (HumanEval raw; ShareGPT's first user turn in the chat template).
 Per configuration, every prompt is completed `repeats` times after one warm-up completion (which also
 holds the compile, reported as warmup_s). tokens/s per user is the decode rate of one completion,
 (N - 1) / (t_last - t_first); median, min and max are over all prompts x repeats.
@@ -19,9 +21,11 @@ from pathlib import Path
 import torch
 
 from redline.benchmark import hf
+from redline.benchmark.prompts import engine_prompts
 from redline.engine.llm import LLM, parse_dtype
 from redline.engine.request import Completion
 from redline.sampling import SamplingParams
+from redline.tokenizer import Tokenizer
 from redline.train.draft import held_out_prompts, run_acceptance_length
 
 
@@ -34,6 +38,7 @@ class BenchSettings:
     dtype: str = "float32"
     compile: bool = False
     hf: bool = True
+    data: str | None = None  # "sharegpt" | "humaneval": whole prompts from that held-out set (prompts.py)
 
 
 def _summary(engine: str, k: int | None, rates: list[float], ttfts: list[float], warmup_s: float) -> dict:
@@ -130,7 +135,10 @@ def draft_share(llm: LLM, prompt: list[int], steps: int = 10) -> float:
 
 
 def run_bench(model_dir: Path, draft: Path | None, ks: list[int], s: BenchSettings) -> dict:
-    prompts = held_out_prompts(model_dir, s.num_prompts, s.prompt_len)
+    if s.data:
+        prompts = engine_prompts(Tokenizer.from_dir(model_dir), s.data, s.num_prompts)
+    else:
+        prompts = held_out_prompts(model_dir, s.num_prompts, s.prompt_len)
     runs, outputs = [], {}
     if s.hf:
         result, outputs["hf"] = bench_hf(model_dir, prompts, s)

@@ -105,6 +105,10 @@ class LLM:
         if dtype == "fp8":
             dtype, quantization = "bfloat16", "fp8"
         torch_dtype = parse_dtype(dtype)
+        if model_dir.suffix == ".gguf":  # imported once into the cache (redline/models/gguf.py)
+            from redline.models.gguf import gguf_model_dir, import_dtype
+
+            model_dir = gguf_model_dir(model_dir, import_dtype(torch_dtype), progress=progress)
         if not model_dir.is_dir():
             raise FileNotFoundError(f"model directory {model_dir} does not exist")
         if device.startswith("cuda") and not torch.cuda.is_available():

@@ -1,8 +1,9 @@
 """`redline eval`: configurations of one model side by side: BF16 vs FP8, speculation on vs off, or
 another checkpoint. One row per configuration:
-- perplexity on held-out text, and the mean per-token KL(base || config) over the same windows;
+- perplexity on held-out text (strings, or conversations rendered with the chat template), and the
+  mean per-token KL(base || config) over the same windows;
 - greedy token agreement with the base configuration (position-wise, over the task completions);
-- accuracy per task column of a JSONL task file (tasks.py).
+- accuracy per task column (tasks.py); for code tasks under greedy decoding this is pass@1.
 The first configuration is the base.
 """
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from redline.data.sharegpt import Messages
 from redline.engine.llm import LLM
 from redline.evaluate.tasks import Task, score
 from redline.sampling import SamplingParams
@@ -46,10 +48,25 @@ def parse_config(spec: str, base: EvalConfig) -> EvalConfig:
     return EvalConfig(path.name, path, base.dtype)
 
 
-def text_windows(tokenizer: Tokenizer, texts: list[str], length: int, count: int) -> list[torch.Tensor]:
+def text_windows(
+    tokenizer: Tokenizer, texts: list[str | Messages], length: int, count: int
+) -> list[torch.Tensor]:
+    """Up to `count` windows of length + 1 tokens from the texts joined by eos (encoded only as far as
+    needed); a conversation is rendered with the chat template."""
     separator = min(tokenizer.eos_token_ids, default=0)
-    stream = data.token_stream([tokenizer.encode(t) for t in texts], separator)
+    encoded: list[list[int]] = []
+    for text in texts:
+        encoded.append(
+            tokenizer.encode(text) if isinstance(text, str) else tokenizer.encode_chat(list(text), False)
+        )
+        if sum(map(len, encoded)) + len(encoded) > count * length:
+            break
+    stream = data.token_stream(encoded, separator)
     return [stream[i * length : (i + 1) * length + 1] for i in range(min(count, (len(stream) - 1) // length))]
+
+
+def prompt(tokenizer: Tokenizer, task: Task) -> str | list[int]:
+    return tokenizer.encode_chat(list(task.messages)) if task.messages else task.prompt
 
 
 @torch.no_grad()
@@ -65,7 +82,7 @@ def log_probs(llm: LLM, windows: list[torch.Tensor]) -> list[torch.Tensor]:
 def evaluate(
     configs: list[EvalConfig],
     tasks: list[Task],
-    texts: list[str],
+    texts: list[str | Messages],
     windows: int = 16,
     window_len: int = 256,
     device: str = "cpu",
@@ -80,8 +97,8 @@ def evaluate(
         ]
         base_lp = base_lp or lp
         kl = [(b.exp() * (b - c)).sum(-1).mean().item() for b, c in zip(base_lp, lp, strict=True)]
-        params = [SamplingParams(max_tokens=t.max_tokens) for t in tasks]
-        completions = llm.generate([t.prompt for t in tasks], params)
+        params = [SamplingParams(max_tokens=t.max_tokens, stop=list(t.stop) or None) for t in tasks]
+        completions = llm.generate([prompt(llm.tokenizer, t) for t in tasks], params)
         tokens = [c.token_ids for c in completions]
         base_tokens = base_tokens or tokens
         pairs = [(a, b) for x, y in zip(tokens, base_tokens, strict=True) for a, b in zip(x, y, strict=False)]
@@ -92,9 +109,8 @@ def evaluate(
             "greedy_agreement": sum(a == b for a, b in pairs) / max(1, len(pairs)),
         }
         correct: dict[str, list[bool]] = {}
-        for task, c in tqdm(
-            list(zip(tasks, completions, strict=True)), desc=f"scoring {config.name}", leave=False
-        ):
+        scored = [(t, c) for t, c in zip(tasks, completions, strict=True) if t.kind != "open"]
+        for task, c in tqdm(scored, desc=f"scoring {config.name}", leave=False):
             correct.setdefault(task.task, []).append(score(task, c.text))
         row["accuracy"] = {name: sum(v) / len(v) for name, v in correct.items()}
         rows.append(row)
@@ -103,12 +119,16 @@ def evaluate(
 
 def eval_table(rows: list[dict]) -> str:
     columns = sorted({name for r in rows for name in r["accuracy"]})
+    widths = [max(10, len(c) + 2) for c in columns]
     head = f"{'config':<18}{'perplexity':>12}{'KL to base':>12}{'greedy = base':>15}" + "".join(
-        f"{c:>10}" for c in columns
+        f"{c:>{w}}" for c, w in zip(columns, widths, strict=True)
     )
     lines = [head]
     for r in rows:
-        cells = "".join(f"{100 * r['accuracy'].get(c, float('nan')):>9.1f}%" for c in columns)
+        cells = "".join(
+            f"{100 * r['accuracy'].get(c, float('nan')):>{w - 1}.1f}%"
+            for c, w in zip(columns, widths, strict=True)
+        )
         lines.append(
             f"{r['config']:<18}{r['perplexity']:>12.3f}{r['kl_to_base']:>12.2e}{r['greedy_agreement']:>15.1%}{cells}"
         )

@@ -2,23 +2,24 @@
 
 One JSON object per line. Field names follow the public sets, so their files can be dropped in:
 - prompt: "prompt", "question" or "problem";
-- kind: "code" when there are "tests" (Python run after the completion; pass = exit status 0 within
-  the timeout), "choice" when there are "choices" (the answer is a letter, "A".."J"), else "math"
-  (the answer is compared with the last number, or \\boxed{...}, in the output);
+- kind: "code" when there are "tests" (Python run after the completion in the sandbox, sandbox.py;
+  pass = exit status 0 within the timeout), "choice" when there are "choices" (the answer is a
+  letter, "A".."J"), else "math" (the answer is compared with the last number, or \\boxed{...},
+  in the output);
 - "answer" (math, choice), "tests" and optional "entry" (code), optional "max_tokens", "id", "task"
   (the column it is reported under; default: its kind).
+Built-in sets (public_sets.py) add two fields: `stop` strings, and chat `messages` (rendered with the
+model's chat template) for "open" tasks, which have no checkable answer: they only feed greedy agreement.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from redline.evaluate.sandbox import run_python
 
 LETTERS = "ABCDEFGHIJ"
 CODE_TIMEOUT_S = 10.0
@@ -28,11 +29,13 @@ CODE_TIMEOUT_S = 10.0
 class Task:
     id: str
     task: str  # reporting column
-    kind: str  # "math" | "choice" | "code"
+    kind: str  # "math" | "choice" | "code" | "open"
     prompt: str
     answer: str | None
     tests: str | None
     max_tokens: int
+    stop: tuple[str, ...] = ()
+    messages: tuple[dict[str, str], ...] | None = None  # a chat prompt, instead of the raw `prompt`
 
 
 def load_tasks(path: Path) -> list[Task]:
@@ -95,24 +98,11 @@ def chosen_letter(text: str) -> str | None:
 
 
 def code_passes(completion: str, task: Task, timeout: float = CODE_TIMEOUT_S) -> bool:
-    """Prompt + completion (or the completion's ```python block, when it has one) + tests, run in a
-    fresh interpreter with a timeout; passes when it exits with status 0."""
+    """Prompt + completion (or the completion's ```python block, when it has one) + tests, run in the
+    sandbox with a timeout; passes when it exits with status 0."""
     blocks = re.findall(r"```(?:python)?\n(.*?)```", completion, flags=re.S)
     program = blocks[0] if blocks else task.prompt + completion
-    with tempfile.TemporaryDirectory() as tmp:
-        script = Path(tmp) / "solution.py"
-        script.write_text(program + "\n\n" + (task.tests or "") + "\n")
-        try:
-            result = subprocess.run(
-                [sys.executable, "-I", str(script)],
-                cwd=tmp,
-                capture_output=True,
-                timeout=timeout,
-                env={"PATH": os.environ.get("PATH", "")},
-            )
-        except subprocess.TimeoutExpired:
-            return False
-    return result.returncode == 0
+    return run_python(program + "\n\n" + (task.tests or "") + "\n", timeout)
 
 
 def score(task: Task, completion: str) -> bool:
@@ -120,4 +110,6 @@ def score(task: Task, completion: str) -> bool:
         return final_answer(completion) == normalize(task.answer or "")
     if task.kind == "choice":
         return chosen_letter(completion) == (task.answer or "").strip().upper()[:1]
-    return code_passes(completion, task)
+    if task.kind == "code":
+        return code_passes(completion, task)
+    raise ValueError(f"task {task.id}: an {task.kind!r} task has no checkable answer")

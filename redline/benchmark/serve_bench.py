@@ -1,0 +1,86 @@
+"""`redline bench --url URL --dataset sharegpt`: replays held-out ShareGPT conversations against a
+running OpenAI-compatible server, as vLLM's `bench serve` does with the same file.
+
+Each request is a streamed, greedy chat with the conversation's real first user turn and, as max_tokens,
+the length of its real first answer (capped at max_output_tokens). Token counts come from the served
+model's tokenizer on this side (`--tokenizer DIR`): max_tokens must be known before the request is sent,
+and OpenAI-compatible servers have no tokenize endpoint. One request is sent first as a warm-up (not
+counted; the run stops if it fails). The server's acceptance length is read from its Prometheus
+/metrics before and after the run (redline's `redline_acceptance_length` histogram: the mean over the
+run's requests); None for a server without it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+from redline.benchmark.load import Pace, model_card, replay
+from redline.benchmark.prompts import sharegpt_requests
+from redline.benchmark.serve_report import summarize
+from redline.tokenizer import Tokenizer
+
+ACCEPTANCE = "redline_acceptance_length"
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    tokenizer: Path  # a directory with the served model's tokenizer.json (+ chat template)
+    num_prompts: int = 100
+    request_rate: float = math.inf
+    max_concurrency: int | None = None
+    max_output_tokens: int = 256
+    ignore_eos: bool = False
+    seed: int = 0
+
+
+def scrape_metrics(url: str) -> dict[str, float]:
+    """Samples of GET /metrics ("name{labels}" -> value); empty when the server has no such page."""
+    try:
+        response = httpx.get(url + "/metrics", timeout=30)
+    except httpx.HTTPError:
+        return {}
+    if response.status_code != 200:
+        return {}
+    samples = {}
+    for line in response.text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name and not line.startswith("#"):
+            samples[name] = float(value)
+    return samples
+
+
+def acceptance_length(before: dict[str, float], after: dict[str, float]) -> float | None:
+    """Mean acceptance length of the requests finished between the two scrapes."""
+    delta = {
+        k: after.get(f"{ACCEPTANCE}_{k}", 0.0) - before.get(f"{ACCEPTANCE}_{k}", 0.0)
+        for k in ("sum", "count")
+    }
+    return delta["sum"] / delta["count"] if delta["count"] > 0 else None
+
+
+def run_serve_bench(url: str, s: ServeSettings, api_key: str | None = None) -> dict:
+    if s.num_prompts < 1 or s.max_output_tokens < 1:
+        raise ValueError("--num-prompts and --max-output-tokens must be at least 1")
+    url = url.rstrip("/")
+    card = model_card(url, api_key)
+    tokenizer = Tokenizer.from_dir(s.tokenizer)
+    requests = sharegpt_requests(tokenizer, s.num_prompts, s.max_output_tokens, card.get("max_model_len"),
+                                 s.ignore_eos)  # fmt: skip
+    pace = Pace(s.request_rate, s.max_concurrency, s.seed)
+    warm_up = replay(url, card["id"], requests[:1], Pace(), api_key).results[0]
+    if not warm_up.ok:
+        raise ConnectionError(f"the warm-up request to {url} failed: {warm_up.error}")
+    before = scrape_metrics(url)
+    run = replay(url, card["id"], requests, pace, api_key)
+    return {
+        "url": url,
+        "model": card["id"],
+        "dataset": "sharegpt",
+        "settings": {**asdict(s), "tokenizer": str(s.tokenizer)},
+        **summarize(run),
+        "acceptance_length": acceptance_length(before, scrape_metrics(url)),
+    }

