@@ -165,6 +165,26 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
 
 
+def _bench_model(args: argparse.Namespace) -> tuple[Path, tuple[Path, ...]]:
+    """The model directory to bench, and the GGUF files llama.cpp runs: with a .gguf model and
+    llama-cpp-python installed, the file and an F16 copy of its dequantized weights (cached beside the
+    import)."""
+    if args.model.suffix != ".gguf":
+        return args.model, ()
+    from redline.benchmark import llamacpp
+    from redline.engine.llm import parse_dtype
+    from redline.models.gguf import gguf_model_dir, import_dtype
+    from redline.models.gguf_f16 import write_f16_gguf
+
+    model_dir = gguf_model_dir(args.model, import_dtype(parse_dtype(args.dtype)))
+    if args.no_llama_cpp or not llamacpp.available():
+        return model_dir, ()
+    f16 = model_dir.parent / "f16.gguf"
+    if not f16.is_file():
+        write_f16_gguf(args.model, f16.with_suffix(".partial")).replace(f16)
+    return model_dir, (args.model, f16)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from redline.benchmark import machine, report
     from redline.benchmark.run import BenchSettings, run_bench
@@ -177,19 +197,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError(f"--dataset and {', '.join(SERVE_FLAGS)} go with --url; use --data with --model")
     if any(not 1 <= k <= 8 for k in args.num_draft_tokens):
         raise ValueError(f"--num-draft-tokens values must be in 1..8, got {args.num_draft_tokens}")
+    modes = ["compiled"] if args.compile else args.modes
+    if not modes or set(modes) - {"eager", "compiled"}:
+        raise ValueError(f"--modes takes eager and/or compiled, got {','.join(modes)}")
+    model_dir, gguf_files = _bench_model(args)
     settings = BenchSettings(
         max_tokens=args.max_tokens,
         num_prompts=args.prompts,
         prompt_len=args.prompt_len,
         repeats=args.repeats,
         dtype=args.dtype,
-        compile=args.compile,
+        modes=tuple(m == "compiled" for m in modes),
         hf=not args.no_hf,
         data=args.data,
+        gguf_files=gguf_files,
     )
     result = {
         "machine": machine.describe(),
-        **run_bench(args.model, args.draft, args.num_draft_tokens, settings),
+        **run_bench(model_dir, args.draft, args.num_draft_tokens, settings),
     }
     print(report.table(result))
     if args.json:
@@ -379,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("bench", help="HF vs redline vs redline + EAGLE-3 (--model), or load a server (--url)")
-    b.add_argument("--model", type=Path, default=None)
+    b.add_argument("--model", type=Path, default=None, help="checkpoint directory or llama .gguf file")
     b.add_argument("--url", default=None, help="server load test: base URL of an OpenAI-compatible server")
     b.add_argument(
         "--concurrency", type=_int_list, default=[1, 2, 4, 8, 16], help="with --url: client counts"
@@ -420,8 +445,19 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompt-len", type=int, default=64)
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--dtype", default="float32")
-    b.add_argument("--compile", action="store_true", help="torch.compile the decode steps and the prefill")
+    b.add_argument(
+        "--modes",
+        type=lambda text: [m for m in text.split(",") if m],
+        default=["eager"],
+        help="redline's modes to run: eager, compiled or eager,compiled",
+    )
+    b.add_argument("--compile", action="store_true", help="the same as --modes compiled")
     b.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    b.add_argument(
+        "--no-llama-cpp",
+        action="store_true",
+        help="with a .gguf --model: skip llama.cpp (run when llama-cpp-python is installed)",
+    )
     b.add_argument("--json", type=Path, default=None)
     b.add_argument("--plot", type=Path, default=None, help="PNG path")
     b.set_defaults(func=cmd_bench)

@@ -403,3 +403,44 @@ def test_cli_imports_a_gguf_and_generates_from_it(quantized, tmp_path, monkeypat
             "--ignore-eos"]  # fmt: skip
     assert main(args) == 0
     assert capsys.readouterr().out == expected + "\n"
+
+
+def test_f16_copy_holds_the_dequantized_weights_metadata_and_tokenizer(quantized, tmp_path):
+    from redline.models.gguf_f16 import write_f16_gguf
+
+    path, imported = quantized
+    f16 = write_f16_gguf(path, tmp_path / "f16.gguf", progress=False)
+    types = {t.tensor_type for t in gguf.GGUFReader(f16).tensors}
+    assert types == {gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32}
+    again = import_gguf(f16, tmp_path / "again", torch.float32, progress=False)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (again / name).read_text() == (imported / name).read_text(), name
+    source = load_target(imported, torch.float32).state_dict()
+    copy = load_target(again, torch.float32).state_dict()
+    for name, tensor in source.items():
+        expected = tensor.half().float() if tensor.ndim > 1 else tensor  # matrices in F16, vectors in F32
+        assert torch.equal(copy[name], expected), name
+
+
+def test_bench_takes_a_gguf_and_reports_the_roofline(quantized, tmp_path, monkeypatch):
+    """With llama-cpp-python installed, llama.cpp runs the file and its F16 copy in the same run."""
+    from redline.benchmark import llamacpp
+    from redline.cli import main
+
+    path, _ = quantized
+    monkeypatch.setenv("REDLINE_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--model", str(path), "--dtype", "float32", "--no-hf", "--prompts", "1",
+            "--prompt-len", "8", "--max-tokens", "6", "--repeats", "1", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    model = load_target(gguf_model_dir(path, torch.float32, progress=False), torch.float32)
+    assert result["roofline"]["weight_bytes"] == 4 * sum(p.numel() for p in model.parameters())  # tied
+    bound = result["roofline"]["tps"]
+    engines = [r["engine"] for r in result["runs"]]
+    if llamacpp.available():
+        assert engines == ["llama.cpp " + llamacpp.file_kind(path), "llama.cpp F16", "redline"]
+    else:
+        assert engines == ["redline"]
+    for run in result["runs"]:
+        assert run["roofline_pct"] == pytest.approx(100 * run["tps_user_median"] / bound)

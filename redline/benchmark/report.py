@@ -7,27 +7,44 @@ from pathlib import Path
 
 
 def label(run: dict) -> str:
-    return run["engine"] + (f" K={run['num_draft_tokens']}" if run["num_draft_tokens"] else "")
+    name = run["engine"] + (" compiled" if run.get("compiled") else "")
+    return name + (f" K={run['num_draft_tokens']}" if run["num_draft_tokens"] else "")
+
+
+def plain_of(runs: list[dict], run: dict) -> dict:
+    """The redline plain run in `run`'s mode (compiled or eager; the first mode for other engines)."""
+    plains = [r for r in runs if r["engine"] == "redline"]
+    same_mode = [r for r in plains if r["compiled"] == run["compiled"]]
+    return (same_mode if run["engine"].startswith("redline") and same_mode else plains)[0]
 
 
 def table(result: dict) -> str:
     runs = result["runs"]
-    plain = next(r for r in runs if r["engine"] == "redline")["tps_user_median"]
     hf = next((r["tps_user_median"] for r in runs if r["engine"] == "hf"), None)
-    head = f"{'engine':<20}{'tok/s median':>13}{'min':>8}{'max':>8}{'TTFT ms':>9}{'accept':>8}{'draft %':>8}"
-    head += f"{'x plain':>8}" + (f"{'x hf':>7}" if hf else "") + f"{'warmup s':>9}  per-position acceptance"
+    head = f"{'engine':<30}{'tok/s median':>13}{'min':>8}{'max':>8}{'roofline %':>11}{'TTFT ms':>9}"
+    head += f"{'accept':>8}{'draft %':>8}{'x plain':>8}" + (f"{'x hf':>7}" if hf else "")
+    head += f"{'warmup s':>9}{'same tokens':>12}  per-position acceptance"
     lines = [head]
     for r in runs:
         accept = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else "-"
         share = f"{100 * r['draft_share']:.0f}" if r["draft_share"] is not None else "-"
+        plain = plain_of(runs, r)["tps_user_median"]
         line = (
-            f"{label(r):<20}{r['tps_user_median']:>13.1f}{r['tps_user_min']:>8.1f}{r['tps_user_max']:>8.1f}"
-            f"{1e3 * r['ttft_s_median']:>9.1f}{accept:>8}{share:>8}{r['tps_user_median'] / plain:>8.2f}"
+            f"{label(r):<30}{r['tps_user_median']:>13.1f}{r['tps_user_min']:>8.1f}{r['tps_user_max']:>8.1f}"
+            f"{r['roofline_pct']:>11.0f}{1e3 * r['ttft_s_median']:>9.1f}{accept:>8}{share:>8}"
+            f"{r['tps_user_median'] / plain:>8.2f}"
         )
         if hf:
             line += f"{r['tps_user_median'] / hf:>7.2f}"
         rates = "/".join(f"{a:.2f}" for a in r["acceptance_rates"] or [])
-        lines.append(line + f"{r['warmup_s']:>9.1f}  {rates or '-'}")
+        same = "yes" if r["tokens_equal_plain"] else "no"
+        lines.append(line + f"{r['warmup_s']:>9.1f}{same:>12}  {rates or '-'}")
+    bound = result["roofline"]
+    lines.append(
+        f"roofline: {bound['weight_bytes'] / 1e6:.0f} MB of weights per step at "
+        f"{bound['bandwidth_gbps']:.1f} GB/s (measured in this run) "
+        f"= {bound['tps']:.0f} tokens/s per user at one token per step"
+    )
     return "\n".join(lines)
 
 
@@ -51,7 +68,9 @@ def plot(result: dict, path: Path) -> None:
     ]
     fig, ax = plt.subplots(figsize=(1.4 * len(runs) + 2, 4))
     colors = {"hf": "#999999", "redline": "#4c72b0", "redline+eagle3": "#dd8452"}
-    bars = ax.bar(names, medians, yerr=errors, capsize=4, color=[colors[r["engine"]] for r in runs])
+    bars = ax.bar(
+        names, medians, yerr=errors, capsize=4, color=[colors.get(r["engine"], "#55a868") for r in runs]
+    )
     for bar, r in zip(bars, runs, strict=True):
         if r["acceptance_length"]:
             middle = (bar.get_x() + bar.get_width() / 2, bar.get_height() / 2)

@@ -7,8 +7,16 @@ Per configuration, every prompt is completed `repeats` times after one warm-up c
 holds the compile, reported as warmup_s). tokens/s per user is the decode rate of one completion,
 (N - 1) / (t_last - t_first); median, min and max are over all prompts x repeats.
 
+redline runs eager, compiled, or both (`modes`); with a GGUF model and llama-cpp-python installed,
+llama.cpp runs the GGUF file and an F16 copy of its dequantized weights (llamacpp.py).
+
 draft_share: the fraction of an eager decode step (K + 1 verified tokens) not spent in the target's
 forward over those tokens, i.e. the draft's proposals plus verification, measured on the same runner.
+
+Roofline: a batch-1 decode step reads every weight of the target once, so no engine can produce more
+than bandwidth / weight bytes tokens per step-time; the bandwidth is measured in the same run
+(machine.read_bandwidth_gbps) and each run's roofline_pct is its median tokens/s against that bound
+(speculation can pass 100%: it produces several tokens per read of the weights).
 """
 
 from __future__ import annotations
@@ -20,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from redline.benchmark import hf
+from redline.benchmark import hf, llamacpp
+from redline.benchmark.machine import read_bandwidth_gbps
 from redline.benchmark.prompts import engine_prompts
 from redline.engine.llm import LLM, parse_dtype
 from redline.engine.request import Completion
@@ -36,14 +45,16 @@ class BenchSettings:
     prompt_len: int = 64
     repeats: int = 3
     dtype: str = "float32"
-    compile: bool = False
+    modes: tuple[bool, ...] = (False,)  # redline runs with compile=False and/or compile=True
     hf: bool = True
     data: str | None = None  # "sharegpt" | "humaneval": whole prompts from that held-out set (prompts.py)
+    gguf_files: tuple[Path, ...] = ()  # llama.cpp runs each of these files
 
 
 def _summary(engine: str, k: int | None, rates: list[float], ttfts: list[float], warmup_s: float) -> dict:
     return {
         "engine": engine,
+        "compiled": False,
         "num_draft_tokens": k,
         "tps_user_median": statistics.median(rates),
         "tps_user_min": min(rates),
@@ -72,12 +83,28 @@ def bench_hf(model_dir: Path, prompts: list[list[int]], s: BenchSettings) -> tup
     return _summary("hf", None, rates, ttfts, warmup), outputs
 
 
+def bench_llama_cpp(path: Path, prompts: list[list[int]], s: BenchSettings) -> tuple[dict, list[list[int]]]:
+    engine = llamacpp.LlamaCpp(path, context=max(map(len, prompts)) + s.max_tokens + 16)
+    start = time.perf_counter()
+    engine.run(prompts[0], s.max_tokens)
+    warmup = time.perf_counter() - start
+    rates, ttfts, outputs = [], [], []
+    for _ in range(s.repeats):
+        outputs = []
+        for prompt in prompts:
+            tokens, ttft, rate = engine.run(prompt, s.max_tokens)
+            rates.append(rate)
+            ttfts.append(ttft)
+            outputs.append(tokens)
+    return _summary(f"llama.cpp {llamacpp.file_kind(path)}", None, rates, ttfts, warmup), outputs
+
+
 def bench_redline(
-    model_dir: Path, draft: Path | None, k: int, prompts: list[list[int]], s: BenchSettings
+    model_dir: Path, draft: Path | None, k: int, prompts: list[list[int]], s: BenchSettings, compiled: bool
 ) -> tuple[dict, list[list[int]]]:
     llm = LLM(
         model_dir, dtype=s.dtype, max_batch=1, max_seq_len=max(map(len, prompts)) + s.max_tokens + 16,
-        draft=draft, num_draft_tokens=k if draft else 3, compile=s.compile,
+        draft=draft, num_draft_tokens=k if draft else 3, compile=compiled,
     )  # fmt: skip
     params = SamplingParams(max_tokens=s.max_tokens, ignore_eos=True)
     start = time.perf_counter()
@@ -91,6 +118,7 @@ def bench_redline(
         "redline+eagle3" if draft else "redline", k if draft else None,
         [c.tokens_per_s for c in completions], [c.ttft_s for c in completions], warmup,
     )  # fmt: skip
+    result["compiled"] = compiled
     if draft:
         steps = sum(c.decode_steps for c in completions)
         result["acceptance_length"] = run_acceptance_length(completions)
@@ -134,21 +162,50 @@ def draft_share(llm: LLM, prompt: list[int], steps: int = 10) -> float:
     return share
 
 
+def weight_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes of weights one batch-1 decode step of a dense model reads: every parameter once (a tied
+    embedding is read whole as the lm_head), except an untied input embedding, of which one row is read.
+    (An MoE step reads only its routed experts: this is an upper bound there.)"""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embedding = model.model.embed_tokens.weight
+    if embedding is not model.lm_head.weight:
+        total -= embedding.numel() * embedding.element_size()
+    return total
+
+
+def roofline(model_dir: Path, dtype: str) -> dict:
+    from redline.models.build import load_target
+
+    weight_bytes = weight_bytes_per_token(load_target(model_dir, parse_dtype(dtype)))
+    bandwidth = read_bandwidth_gbps()
+    return {"bandwidth_gbps": bandwidth, "weight_bytes": weight_bytes, "tps": bandwidth * 1e9 / weight_bytes}
+
+
 def run_bench(model_dir: Path, draft: Path | None, ks: list[int], s: BenchSettings) -> dict:
     if s.data:
         prompts = engine_prompts(Tokenizer.from_dir(model_dir), s.data, s.num_prompts)
     else:
         prompts = held_out_prompts(model_dir, s.num_prompts, s.prompt_len)
-    runs, outputs = [], {}
+    runs, outputs = [], []
     if s.hf:
-        result, outputs["hf"] = bench_hf(model_dir, prompts, s)
+        result, tokens = bench_hf(model_dir, prompts, s)
         runs.append(result)
-    result, outputs["redline"] = bench_redline(model_dir, None, 0, prompts, s)
-    runs.append(result)
-    for k in ks if draft else []:
-        result, outputs[f"k{k}"] = bench_redline(model_dir, draft, k, prompts, s)
+        outputs.append(tokens)
+    for path in s.gguf_files:
+        result, tokens = bench_llama_cpp(path, prompts, s)
         runs.append(result)
-    reference = outputs["redline"]
-    for run, key in zip(runs, outputs, strict=True):
-        run["tokens_equal_plain"] = outputs[key] == reference  # greedy: every engine should agree
-    return {"runs": runs, "settings": {**s.__dict__, "model": str(model_dir), "draft": str(draft or "")}}
+        outputs.append(tokens)
+    reference = None
+    for compiled in s.modes:
+        for k in [0, *(ks if draft else [])]:
+            result, tokens = bench_redline(model_dir, draft if k else None, k, prompts, s, compiled)
+            runs.append(result)
+            outputs.append(tokens)
+            reference = reference or tokens  # the first redline plain run
+    bound = roofline(model_dir, s.dtype)
+    for run, tokens in zip(runs, outputs, strict=True):
+        run["tokens_equal_plain"] = tokens == reference  # greedy: every engine should agree
+        run["roofline_pct"] = 100 * run["tps_user_median"] / bound["tps"]
+    settings = {**s.__dict__, "gguf_files": [str(p) for p in s.gguf_files], "model": str(model_dir),
+                "draft": str(draft or "")}  # fmt: skip
+    return {"runs": runs, "roofline": bound, "settings": settings}
