@@ -45,6 +45,7 @@ def table(result: dict) -> str:
         f"{bound['bandwidth_gbps']:.1f} GB/s (measured in this run) "
         f"= {bound['tps']:.0f} tokens/s per user at one token per step"
     )
+    lines += [f"not run: {failure}" for failure in result.get("failures", [])]
     return "\n".join(lines)
 
 

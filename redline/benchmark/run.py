@@ -22,6 +22,7 @@ than bandwidth / weight bytes tokens per step-time; the bandwidth is measured in
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,19 +85,9 @@ def bench_hf(model_dir: Path, prompts: list[list[int]], s: BenchSettings) -> tup
 
 
 def bench_llama_cpp(path: Path, prompts: list[list[int]], s: BenchSettings) -> tuple[dict, list[list[int]]]:
-    engine = llamacpp.LlamaCpp(path, context=max(map(len, prompts)) + s.max_tokens + 16)
-    start = time.perf_counter()
-    engine.run(prompts[0], s.max_tokens)
-    warmup = time.perf_counter() - start
-    rates, ttfts, outputs = [], [], []
-    for _ in range(s.repeats):
-        outputs = []
-        for prompt in prompts:
-            tokens, ttft, rate = engine.run(prompt, s.max_tokens)
-            rates.append(rate)
-            ttfts.append(ttft)
-            outputs.append(tokens)
-    return _summary(f"llama.cpp {llamacpp.file_kind(path)}", None, rates, ttfts, warmup), outputs
+    r = llamacpp.bench_in_child(path, prompts, s.max_tokens, s.repeats, torch.get_num_threads())
+    engine = f"llama.cpp {llamacpp.file_kind(path)}"
+    return _summary(engine, None, r["rates"], r["ttfts"], r["warmup_s"]), r["outputs"]
 
 
 def bench_redline(
@@ -191,8 +182,14 @@ def run_bench(model_dir: Path, draft: Path | None, ks: list[int], s: BenchSettin
         result, tokens = bench_hf(model_dir, prompts, s)
         runs.append(result)
         outputs.append(tokens)
+    failures = []
     for path in s.gguf_files:
-        result, tokens = bench_llama_cpp(path, prompts, s)
+        try:
+            result, tokens = bench_llama_cpp(path, prompts, s)
+        except RuntimeError as e:  # a peer that fails is reported, and the benchmark goes on
+            print(f"[redline] {e}", file=sys.stderr)
+            failures.append(str(e))
+            continue
         runs.append(result)
         outputs.append(tokens)
     reference = None
@@ -208,4 +205,4 @@ def run_bench(model_dir: Path, draft: Path | None, ks: list[int], s: BenchSettin
         run["roofline_pct"] = 100 * run["tps_user_median"] / bound["tps"]
     settings = {**s.__dict__, "gguf_files": [str(p) for p in s.gguf_files], "model": str(model_dir),
                 "draft": str(draft or "")}  # fmt: skip
-    return {"runs": runs, "roofline": bound, "settings": settings}
+    return {"runs": runs, "roofline": bound, "settings": settings, "failures": failures}

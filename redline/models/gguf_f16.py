@@ -16,18 +16,18 @@ from redline.models.gguf_reader import GGUFFile
 from redline.models.gguf_tensors import dequantized
 
 SKIPPED_KEYS = ("general.architecture", "GGUF.")  # the writer adds these itself
+FILE_TYPE = "general.file_type"
 
 
 def _copy_metadata(source: gguf.GGUFReader, writer: gguf.GGUFWriter) -> None:
+    """Every key but the file type, which becomes F16."""
     for field in source.fields.values():
-        if field.name.startswith(SKIPPED_KEYS):
+        if field.name.startswith(SKIPPED_KEYS) or field.name == FILE_TYPE:
             continue
         kind = field.types[0]
-        value = field.contents()
-        if field.name == "general.file_type":
-            value = int(gguf.LlamaFileType.MOSTLY_F16)
         sub_type = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, value, kind, sub_type=sub_type)
+        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub_type)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
 
 
 def write_f16_gguf(source_path: Path, out_path: Path, progress: bool = True) -> Path:
