@@ -53,7 +53,7 @@ def serve(args: argparse.Namespace) -> int:
     )  # fmt: skip
     if llm.warmup_s:
         log.info("warm-up: every prefill and step shape compiled in %.1f s", llm.warmup_s)
-    name = args.served_model_name or args.model.name
+    name = args.served_model_name or (args.model.stem if args.model.suffix == ".gguf" else args.model.name)
     api_key = args.api_key or os.environ.get("REDLINE_API_KEY")
     server = Server(llm, name, api_key, max_queue=args.max_queue)
     log.info(
