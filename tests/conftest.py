@@ -11,6 +11,8 @@ import torch
 
 if not torch.cuda.is_available():  # Triton kernels run in the interpreter on CPU (set before triton loads)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# engines compile on CPU by default (kernels/select.compile_by_default); here only tests that ask do
+os.environ.setdefault("REDLINE_COMPILE", "0")
 
 from redline.train.bpe import train_bpe_tokenizer
 from redline.train.data import stdlib_texts

@@ -149,7 +149,6 @@ def test_data_flags_refuse_misuse(model_dir, tmp_path, capsys):
         ("eval --model M --data missing.jsonl", 2, "neither a data set"),
         ("eval --model M --data humaneval --limit 0", 2, "--limit must be"),
         ("train-draft --target M --out D --data humaneval", 2, "never used for training"),
-        ("train-draft --target M --out D --data sharegpt", 2, "not available yet"),
         ("bench --model M --modes eager,fast", 2, "--modes takes eager and/or compiled"),
     ]
     names = {"M": model, "U": url, "D": out}

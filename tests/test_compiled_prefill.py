@@ -19,7 +19,8 @@ from redline.models.random_init import normal_init
 def test_prompt_lengths_pad_to_multiples_of_16_capped_by_the_cache():
     assert [padded_prompt_len(n, 1024) for n in (1, 16, 17, 20, 33, 64, 65)] == [16, 16, 32, 32, 48, 64, 80]
     assert padded_prompt_len(90, 100) == 96 and padded_prompt_len(99, 100) == 100
-    assert warm_up_lengths(100) == [16, 32, 64, 100]
+    assert warm_up_lengths(100) == [16, 32, 100] and warm_up_lengths(128) == [16, 32, 64, 128]
+    assert warm_up_lengths(4097)[-3:] == [1024, 2048, 4097] and warm_up_lengths(16) == [16]
 
 
 @pytest.fixture(scope="module")

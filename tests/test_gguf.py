@@ -396,9 +396,11 @@ def test_cli_imports_a_gguf_and_generates_from_it(quantized, tmp_path, monkeypat
     assert main(["import-gguf", str(path), str(out)]) == 2  # refuses to overwrite
     assert "is not empty" in capsys.readouterr().err
     prompt = "hello world"
-    expected = LLM(imported, dtype="float32", max_batch=1).generate(
-        [prompt], SamplingParams(max_tokens=8, ignore_eos=True)
-    )[0].text
+    expected = (
+        LLM(imported, dtype="float32", max_batch=1)
+        .generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+        .text
+    )
     capsys.readouterr()
     args = ["generate", "--model", str(path), "--dtype", "float32", "--prompt", prompt, "--max-tokens", "8",
             "--ignore-eos"]  # fmt: skip

@@ -5,7 +5,7 @@ the cache length), so lengths 0 and 1, which dynamo would specialize on, never r
 length is marked dynamic, so one graph serves every L; a model whose forward branches on the token
 count (a Llama 4 MoE layer takes its few-token path up to num_experts / top_k tokens) gets one graph
 per side of that branch. ModelRunner.warm_up compiles them all at start-up by running L = 16, 32,
-64, ... and the cache length; after `freeze()` a call that would compile raises.
+64, ... and the cache length (warm_up_lengths); after `freeze()` a call that would compile raises.
 
 The padding is harmless by the cache's own rule (layers/attention.py): the padded tokens take
 positions n .. L - 1, each real query attends only keys at or before its position, and every cache
@@ -34,9 +34,11 @@ def padded_prompt_len(n: int, cache_len: int) -> int:
 
 
 def warm_up_lengths(cache_len: int) -> list[int]:
-    """Padded lengths that visit both sides of any token-count branch: 16, 32, 64, ..., cache_len."""
+    """Padded lengths that visit both sides of any token-count branch: 16, 32, 64, ..., then cache_len,
+    without the last power of two above cache_len / 2 (cache_len straddles what it would: 4,097 -> ...,
+    1,024, 2,048, 4,097; a 4,096-token prompt costs seconds of start-up on a CPU)."""
     lengths, n = [], ALIGN
-    while n < cache_len:
+    while 2 * n <= cache_len:
         lengths.append(n)
         n *= 2
     return [*lengths, cache_len]

@@ -9,7 +9,8 @@ nothing can split the range (a backed dynamic size let inductor's CPU code gener
 reductions at 4,096 elements, which doubled the graphs, and the start-up compile, of every context
 past 4,096 tokens: BENCHMARKS.md "Start-up compile"). Every key is known up front
 (ModelRunner.step_keys) and run once at start-up (ModelRunner.warm_up); after `freeze()` a call that
-would compile raises.
+would compile raises. Inside each graph the decoder layers are nested compile regions
+(models/llama.run_layer): one layer of each kind is traced and compiled, and every layer calls it.
 
 Guard evaluation: every call of a compiled function first evaluates its guards, for an 8-layer model
 about 2,400 checks on modules, parameters and cache tensors, ~0.8 ms per call on an AVX2 instance of
@@ -33,7 +34,10 @@ class CompiledStep:
     def __init__(self, step: Step, cache_len: int, device: torch.device):
         self.step = step
         self.kv_index = torch.arange(cache_len + 1, device=device)  # its views carry kv_len into the graph
-        self.compiled = torch.compile(self._run, fullgraph=True, dynamic=False)
+        # size_asserts off: the wrapper checked every input's and layer call's strides in Python, ~800
+        # checks a step for 30 layers; the inputs are the runner's own fixed tensors (as for the guards)
+        options = {"size_asserts": False}
+        self.compiled = torch.compile(self._run, fullgraph=True, dynamic=False, options=options)
         self.seen: set[tuple[int, int, bool]] = set()  # (rows, kv_len, sampling) keys run with every guard
         self.frozen = False
 

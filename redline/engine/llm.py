@@ -90,7 +90,7 @@ class LLM:
         max_seq_len: int | None = None,
         draft: str | Path | None = None,
         num_draft_tokens: int = 3,
-        compile: bool = False,
+        compile: bool | None = None,
         quantization: str | None = None,
         pdl: bool = False,
         kv_cache_dtype: str | None = None,
@@ -98,9 +98,11 @@ class LLM:
     ):
         """dtype "fp8" means bfloat16 activations with FP8 weights (quantization="fp8"); pdl launches the
         Triton kernels with programmatic dependent launch (Hopper or newer GPUs); kv_cache_dtype "fp8"
-        stores keys and values in e4m3 (scale 1), half the bytes of bf16. With compile (or on CUDA, where
-        every step shape is captured as a CUDA graph) construction compiles and captures every shape the
-        engine can meet, with a progress bar unless progress=False; `warmup_s` says how long it took."""
+        stores keys and values in e4m3 (scale 1), half the bytes of bf16. compile (default: on CPU, see
+        kernels.select.compile_by_default; compile=False runs eager) torch.compiles the decode step and the
+        prefill; with it (or on CUDA, where every step shape is captured as a CUDA graph) construction
+        compiles and captures every shape the engine can meet, with a progress bar unless progress=False;
+        `warmup_s` says how long it took."""
         model_dir = Path(model)
         if dtype == "fp8":
             dtype, quantization = "bfloat16", "fp8"

@@ -17,7 +17,13 @@ from redline.engine.compiled_prefill import CompiledPrefill, warm_up_lengths
 from redline.engine.compiled_step import CompiledStep
 from redline.engine.cuda_graphs import GraphedStep
 from redline.engine.kv_cache import KVCache
-from redline.kernels.select import pdl_supported, select_cpu_paths, select_kernels, triton_by_default
+from redline.kernels.select import (
+    compile_by_default,
+    pdl_supported,
+    select_cpu_paths,
+    select_kernels,
+    triton_by_default,
+)
 from redline.models.eagle3 import Eagle3Draft
 from redline.models.llama import LlamaForCausalLM
 from redline.sampling import SamplingParams, SamplingTensors, select_tokens
@@ -41,7 +47,7 @@ class ModelRunner:
         max_len: int,
         draft: Eagle3Draft | None = None,
         num_draft_tokens: int = 3,
-        compile: bool = False,
+        compile: bool | None = False,  # None: kernels.select.compile_by_default for the device
         pdl: bool = False,
         kv_cache_dtype: torch.dtype | None = None,  # None: the model's dtype; torch.float8_e4m3fn halves it
         cuda_graphs: bool | None = None,  # None: on CUDA devices
@@ -50,6 +56,7 @@ class ModelRunner:
         self.k = num_draft_tokens if draft is not None else 0
         param = next(model.parameters())
         self.device = param.device
+        compile = compile_by_default(self.device) if compile is None else compile
         if pdl and not (triton_by_default(self.device) and pdl_supported(self.device)):
             raise ValueError("programmatic dependent launch needs Triton and a Hopper or newer GPU")
         for module in (model, draft):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import importlib
+import os
 
 import torch
 from torch import nn
@@ -14,11 +16,18 @@ from redline.layers.mlp import MLP
 from redline.layers.moe import Experts, MoE
 from redline.layers.norm import RMSNorm
 from redline.layers.reduced_attention import attention_by_reductions, sdpa_attention
-from redline.models.llama import DecoderLayer
+from redline.models.llama import DecoderLayer, LlamaForCausalLM
 
 
 def triton_by_default(device: torch.device) -> bool:
     return HAS_TRITON and device.type == "cuda"
+
+
+def compile_by_default(device: torch.device) -> bool:
+    """torch.compile the step and the prefill unless asked not to: on CPU, where it is the fast path
+    (3-4x eager decode), unless the environment sets REDLINE_COMPILE=0 (the test suite does, so that only
+    the tests that ask for it compile); CUDA captures every step as a CUDA graph instead."""
+    return device.type == "cpu" and os.environ.get("REDLINE_COMPILE", "1") != "0"
 
 
 def pdl_supported(device: torch.device) -> bool:
@@ -29,11 +38,17 @@ def pdl_supported(device: torch.device) -> bool:
 def select_cpu_paths(model: nn.Module, compiled: bool) -> None:
     """Few-row products on CPU (layers/linear.py): in a compiled step, the streamed loop inductor
     generates (every float dtype); eager, fp32 weights as W @ x^T and others F.linear. Attention of a
-    compiled step on CPU as reductions inductor fuses (layers/reduced_attention.py), else SDPA."""
+    compiled step on CPU as reductions inductor fuses (layers/reduced_attention.py), else SDPA. A compiled
+    CPU target compiles each kind of decoder layer once (models/llama.run_layer); on CUDA the Triton
+    kernels stay visible to inductor in the whole graph instead."""
+    if compiled:
+        importlib.import_module("torch._inductor.inductor_prims")  # registers what layers/linear.stored uses
     for module in model.modules():
         if isinstance(module, Attention):
             on_cpu = next(module.parameters()).is_cpu
             module.core = attention_by_reductions if on_cpu and compiled else sdpa_attention
+        elif isinstance(module, LlamaForCausalLM):
+            module.layer_regions = compiled and next(module.parameters()).is_cpu
         elif isinstance(module, Linear):
             weight = module.weight
             module.few_rows = None

@@ -65,6 +65,10 @@ class AttentionBatch:
         return cls(positions, slot_start, key_positions.shape[-1], full, chunked, cos, sin, temperature)
 
 
+# a pytree node, so that a decoder layer called with it can be a nested compile region (models/llama.py)
+torch.utils._pytree.register_dataclass(AttentionBatch)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, rotary: Rotary, in_features: int | None = None):
         super().__init__()
@@ -148,11 +152,16 @@ class Attention(nn.Module):
         v: torch.Tensor,
         batch: AttentionBatch,
     ) -> None:
-        """Stores the new keys and values of slot slot_start + b at their absolute positions."""
-        b = k.shape[0]
-        rows = torch.arange(b, device=k.device)[:, None]  # [B, 1] pairs with positions [B, T]
+        """Stores the new keys and values of slot slot_start + b at their absolute positions.
+
+        One index_put_ on the cache tensor itself, not on a view of it: a compiled step writes the draft's
+        cache three times, and through views the compiler copied the whole cache in and out every step.
+        Indices broadcast to [B, T, kv_heads]: slot_start 2, positions [[7, 8]], 3 heads -> entries
+        [2, h, 7] and [2, h, 8] for h = 0, 1, 2 take k[0, 0, h] and k[0, 1, h]."""
+        b, _, heads, _ = k.shape
+        slots = torch.arange(batch.slot_start, batch.slot_start + b, device=k.device)
+        index = (slots[:, None, None], torch.arange(heads, device=k.device), batch.positions[:, :, None])
         for store, new in zip(cache, (k, v), strict=True):
-            mine = store[batch.slot_start : batch.slot_start + b]  # [B, kv_heads, max_len, head_dim] view
             if store.dtype == FP8:  # FP8 cache (scale 1): saturate, e4m3 has no infinity
                 new = new.clamp(-FP8_MAX, FP8_MAX)
-            mine.transpose(1, 2)[rows, batch.positions] = new.to(store.dtype)
+            store.index_put_(index, new.to(store.dtype))

@@ -8,11 +8,11 @@ AVX-512 the bf16 product is a loop over rows that reads W once per row. Two prod
   as a view) costs about what M = 1 does;
 - `streamed_rows`, weights of any float dtype inside torch.compile: inductor fuses the upcast, the M
   products and the M row sums into one C++ loop over W's rows, which loads each 16-weight vector
-  once, converts it to fp32 and accumulates it against every x row. The loop also joins the step's
-  other fused work instead of being an external GEMM call between kernels: compiled fp32 decode of
-  the demo target ran 3.4-3.7x faster with it than with W @ x^T (BENCHMARKS.md "Compiled decode and
-  prefill on an AVX-512 instance"). Eager torch would materialize W in fp32, so outside a compiled
-  graph it is F.linear.
+  once, converts it to fp32 and accumulates it against every x row (stored once in fp32). The loop
+  also joins the step's other fused work instead of being an external GEMM call between kernels:
+  compiled fp32 decode of the demo target ran 3.4-3.7x faster with it than with W @ x^T
+  (BENCHMARKS.md "Compiled decode and prefill on an AVX-512 instance"). Eager torch would
+  materialize W in fp32, so outside a compiled graph it is F.linear.
 
 `kernels.select.select_cpu_paths` sets `Linear.few_rows` per layer when the runner is built.
 """
@@ -32,11 +32,20 @@ def weight_times_xt(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [
     return torch.mm(weight, x.t()).t()
 
 
+def stored(x: torch.Tensor) -> torch.Tensor:
+    """x, written to memory once inside a compiled graph. Inductor inlines a cheap producer into each of
+    its consumers: an RMSNorm feeding a product was recomputed (and its bf16 input converted) for every
+    weight row, M times per row. inductor_force_stride_order (a prim of inductor's, registered once
+    torch._inductor is imported, as kernels.select does) makes it a buffer instead."""
+    return torch.ops.prims.inductor_force_stride_order(x, x.stride())
+
+
 def streamed_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [M, K], [N, K] -> [M, N]
     if not torch.compiler.is_compiling():
         return F.linear(x, weight)
     w = weight.float()  # fused into the loop by inductor: never materialized
-    return torch.stack([(w * row.float()).sum(-1) for row in x.unbind(0)]).to(x.dtype)
+    rows = stored(x.float())  # [M, K] fp32: the loop loads each row as it is, no conversion
+    return torch.stack([(w * row).sum(-1) for row in rows.unbind(0)]).to(x.dtype)
 
 
 class Linear(nn.Linear):
@@ -45,9 +54,13 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in_features]
         rows = x.numel() // self.in_features
+        flat = x.reshape(rows, self.in_features)
         if self.few_rows is None or rows > FEW_ROWS:
-            return super().forward(x)
-        y = self.few_rows(x.reshape(rows, self.in_features), self.weight)  # [rows, out_features]
+            # On the 2-D view: torch's CPU bf16 matmul on a strided 3-D slice such as the prefill's last
+            # position hidden[:, -1:] ([1, 1, 576], strides (T*576, 576, 1)) took ~200 ms, not ~8 ms.
+            y = F.linear(flat, self.weight, self.bias)
+            return y.reshape(*x.shape[:-1], self.out_features)
+        y = self.few_rows(flat, self.weight)  # [rows, out_features]
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)

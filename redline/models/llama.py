@@ -51,6 +51,16 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(normed)
 
 
+@torch.compiler.nested_compile_region
+def run_layer(
+    layer: DecoderLayer, x: torch.Tensor, batch: AttentionBatch, cache: KVLayer | None
+) -> torch.Tensor:
+    """One decoder layer. Inside torch.compile a nested compile region: dynamo traces it and inductor
+    compiles it once per kind of layer and shape, and every other layer of that kind calls the same
+    code with its own weights and cache (30 SmolLM2 layers compile as one). Eager: a plain call."""
+    return layer(x, batch, cache)
+
+
 class Decoder(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -69,6 +79,8 @@ class LlamaForCausalLM(nn.Module):
         # EAGLE-3 aux hidden states, by the published configs' convention: id i is the input of layer i
         # (the output of layer i - 1; id num_layers is the last layer's output before the final norm).
         self.aux_layers: tuple[int, ...] = ()
+        # decoder layers through run_layer (nested compile regions); kernels.select sets it for CPU compiles
+        self.layer_regions = False
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -95,7 +107,8 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             if i in self.aux_layers:
                 captured[i] = x
-            x = layer(x, batch, None if cache is None else cache[i])
+            kv = None if cache is None else cache[i]
+            x = run_layer(layer, x, batch, kv) if self.layer_regions else layer(x, batch, kv)
         captured[len(self.model.layers)] = x
         aux = torch.cat([captured[i] for i in self.aux_layers], dim=-1) if self.aux_layers else None
         return self.model.norm(x), aux

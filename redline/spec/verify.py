@@ -14,8 +14,11 @@ ACCEPT_STREAM = 1  # random stream of the accept/reject draws (stream 0 picks em
 
 
 def accepted_prefix(accepted: torch.Tensor) -> torch.Tensor:
-    """accepted [B, K] bool -> leading run length [B]. [1, 1, 0, 1] -> cumprod [1, 1, 0, 0] -> 2"""
-    return accepted.long().cumprod(dim=1).sum(dim=1)
+    """accepted [B, K] bool -> leading run length [B]: the index of the first rejection, a False appended
+    for rows that accept all. [1, 1, 0, 1] -> [1, 1, 0, 1, 0] -> argmin (the first minimum) -> 2. A
+    reduction the compiler fuses, where cumprod was a library call in the middle of the step."""
+    ended = torch.cat((accepted, torch.zeros_like(accepted[:, :1])), dim=1)
+    return ended.to(torch.uint8).argmin(dim=1)
 
 
 def greedy_verify(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,113 +1,137 @@
 """`redline train-draft`: an EAGLE-3 draft for any supported target.
 
-1. Prompts come from local text (JSONL, a file or a directory; by default the demo corpus), and the
-   target itself generates the continuations the draft learns (redline's engine, batched).
-2. The draft vocabulary is the `draft_vocab` most frequent tokens of those sequences (d2t / t2d).
-3. The target's aux hidden states and final hidden states are computed once per sequence and cached
-   with the sequences in OUT/draft_data.pt; the target's distribution over the draft vocabulary is
-   recomputed per batch from the final hidden states (its lm_head rows are fixed).
-4. Training-time test (ttt.py) with AdamW, warm-up, cosine decay, clipping, checkpoints and --resume.
-5. The result is saved in the published EAGLE-3 layout (`midlayer.*`, LlamaForCausalLMEagle3).
+1. Prompts: the first user turn of each ShareGPT training conversation rendered with the target's chat
+   template (`data="sharegpt"`), or windows cut from local text (JSONL, a file or a directory; by
+   default the standard library's source). The target answers them itself (regenerate.py), through
+   redline's engine with many slots; answers are saved as they finish (OUT/samples.pt).
+2. The target's aux and final hidden states on those sequences are computed once and saved with them
+   as one packed stream (features.py, OUT/draft_data.pt). The draft vocabulary is the `draft_vocab`
+   most frequent response tokens; the target's distribution over it is recomputed per batch from the
+   final hidden states (its lm_head rows are fixed).
+3. Training-time test (ttt.py) on random windows of the stream, bf16 autocast where bf16 is fast
+   (precision.py), AdamW with warm-up, cosine decay, clipping and checkpoints (loop.py).
+4. The result is saved in the published EAGLE-3 layout (`midlayer.*`, LlamaForCausalLMEagle3).
+
+With `budget_minutes` the number of answers and of training steps are sized to the time (budget.py).
+`resume=True` continues whatever stage an interrupted run reached in OUT.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections import Counter
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from redline.engine.llm import LLM
 from redline.engine.request import Completion
 from redline.models.build import load_target
-from redline.models.eagle3 import Eagle3Draft, default_aux_layers, draft_config_for, save_draft
+from redline.models.eagle3 import Eagle3Draft, draft_config_for, save_draft
 from redline.models.llama import LlamaForCausalLM
 from redline.models.random_init import normal_init
 from redline.sampling import SamplingParams
 from redline.tokenizer import Tokenizer
 from redline.train import data
-from redline.train.loop import Schedule, train
+from redline.train.budget import Plan, plan_training, regen_deadline
+from redline.train.features import DraftData, Sample, extract
+from redline.train.loop import Schedule, StepLoss, train
+from redline.train.precision import autocast, compute_dtype
+from redline.train.regenerate import chat_prompts, regenerate
 from redline.train.ttt import ttt_loss
+
+SHAREGPT = "sharegpt"
+STAGES = ("samples.pt", "draft_data.pt", "plan.json", "checkpoint.pt")  # what each stage leaves in OUT
 
 
 @dataclass(frozen=True)
 class DraftRecipe:
-    draft_vocab: int = 1024
+    """The demo's recipe (redline/demo.py), measured on a 2-core CPU: with --budget-minutes the same
+    recipe runs longer. ttt_steps 3 is what K = 3 uses; prompts of at most 128 tokens keep the answers'
+    KV short, which made the target answer 1.4x faster at 64 slots (notes in BENCHMARKS.md)."""
+
+    draft_vocab: int = 4096
     intermediate_size: int | None = None  # None: the target's
-    ttt_steps: int = 7
-    num_prompts: int = 256
-    prompt_len: int = 64
-    gen_len: int = 128
-    temperature: float = 0.0  # of the target's continuations
-    batch_size: int = 8
-    steps: int = 300
-    lr: float = 1e-3
+    ttt_steps: int = 3
+    num_prompts: int = 512  # prompts the target answers (with a time budget: as many as fit)
+    prompt_len: int = 64  # text data: the prompt window
+    max_prompt_len: int = 128  # chat data: longer prompts are left out
+    gen_len: int = 128  # most tokens per answer
+    temperature: float = 0.0  # of the target's answers (regenerate.py says why greedy)
+    regen_batch: int = 64  # engine slots while the target answers
+    seq_len: int = 512  # training window over the packed stream
+    batch_size: int = 4
+    steps: int = 300  # with a time budget: as many as fit
+    lr: float = 3e-3
     warmup: int = 30
     weight_decay: float = 0.0
     seed: int = 0
 
 
-@dataclass
-class DraftData:
-    tokens: torch.Tensor  # [N, T] prompt + the target's continuation
-    aux: torch.Tensor  # [N, T, 3 * H] the target's aux hidden states
-    final: torch.Tensor  # [N, T, H] the target's final normed hidden states
-    vocab: torch.Tensor  # [V_draft] target ids of the draft vocabulary, ascending
+def source_prompts(
+    source: str | Path | None, tokenizer: Tokenizer, recipe: DraftRecipe
+) -> tuple[list[list[int]], list[str], bool]:
+    """(prompts, where each came from, whether they are chat turns). ShareGPT: training conversations
+    only, in a fixed shuffled order; text: `num_prompts` windows of `prompt_len` tokens."""
+    if source == SHAREGPT:
+        from redline.data.sharegpt import conversations
 
-    def save(self, path: Path) -> None:
-        torch.save({"tokens": self.tokens, "aux": self.aux, "final": self.final, "vocab": self.vocab}, path)
-
-    @classmethod
-    def load(cls, path: Path) -> DraftData:
-        return cls(**torch.load(path, weights_only=True))
-
-
-def draft_vocabulary(tokens: torch.Tensor, vocab_size: int, size: int) -> torch.Tensor:
-    """The `size` most frequent ids in `tokens` (ties to the lower id), padded with the lowest unused
-    ids when fewer occur, ascending: [3, 3, 7, 1, 3, 7], size 2 -> [3, 7]."""
-    size = min(size, vocab_size)
-    counts = Counter(tokens.flatten().tolist())
-    ranked = sorted(counts, key=lambda i: (-counts[i], i))[:size]
-    unused = (i for i in range(vocab_size) if i not in counts)
-    while len(ranked) < size:
-        ranked.append(next(unused))
-    return torch.tensor(sorted(ranked), dtype=torch.int64)
-
-
-def generate_data(target_dir: Path, texts: list[str], recipe: DraftRecipe) -> DraftData:
-    """The target completes prompts cut from `texts`; its hidden states on the results are the features."""
-    llm = LLM(target_dir, dtype="float32", max_batch=16, max_seq_len=recipe.prompt_len + recipe.gen_len + 8)
-    encoded = [llm.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        pool = conversations("train")
+        order = torch.randperm(len(pool), generator=torch.Generator().manual_seed(recipe.seed)).tolist()
+        pool = [pool[i] for i in order]
+        chosen = chat_prompts(tokenizer, [c.messages for c in pool], recipe.max_prompt_len)
+        return [ids for _, ids in chosen], [pool[i].id for i, _ in chosen], True
+    texts = data.load_texts(Path(source)) if source is not None else data.split_stdlib()[0]
+    encoded = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
     prompts = data.prompt_windows(encoded, recipe.num_prompts, recipe.prompt_len, recipe.seed)
-    params = [
-        SamplingParams(max_tokens=recipe.gen_len, temperature=recipe.temperature, ignore_eos=True, seed=i)
-        for i in range(len(prompts))
-    ]
-    sequences = []
-    bar = tqdm(total=len(prompts), desc="target generates", unit="seq", dynamic_ncols=True)
-    for start in range(0, len(prompts), 64):  # chunks, so the bar moves
-        chunk = slice(start, start + 64)
-        for prompt, c in zip(prompts[chunk], llm.generate(prompts[chunk], params[chunk]), strict=True):
-            sequences.append(prompt + c.token_ids)
-        bar.update(len(prompts[chunk]))
-    bar.close()
-    length = min(len(s) for s in sequences)
-    tokens = torch.tensor([s[:length] for s in sequences])
-    target = llm.model
-    target.aux_layers = default_aux_layers(target.config.num_layers)
-    aux, final = [], []
-    with torch.inference_mode():
-        for rows in tqdm(tokens.split(16), desc="target features", unit="batch", dynamic_ncols=True):
-            positions = torch.arange(rows.shape[1])[None].expand_as(rows)
-            hidden, captured = target(rows, positions)
-            aux.append(captured)
-            final.append(hidden)
-    vocab = draft_vocabulary(tokens, target.config.vocab_size, recipe.draft_vocab)
-    return DraftData(tokens, torch.cat(aux), torch.cat(final), vocab)
+    return prompts, [f"text window {i}" for i in range(len(prompts))], False
+
+
+def answer_prompts(
+    target_dir: Path, out: Path, recipe: DraftRecipe, source: str | Path | None, budget_s: float | None
+) -> tuple[list[Sample], list[str], float]:
+    """The target's answers, their sources, and the seconds earlier (interrupted) runs spent answering:
+    OUT/samples.pt holds the answers finished so far and is continued."""
+    path = out / "samples.pt"
+    saved = torch.load(path, weights_only=True) if path.is_file() else {"samples": {}, "seconds": 0.0}
+    tokenizer = Tokenizer.from_dir(target_dir)
+    prompts, sources, chat = source_prompts(source, tokenizer, recipe)
+    if budget_s is None:
+        prompts = prompts[: recipe.num_prompts]
+    longest = max(map(len, prompts))
+    llm = LLM(target_dir, dtype=compute_dtype(), max_batch=recipe.regen_batch,
+              max_seq_len=longest + recipe.gen_len + 8, compile=False)  # fmt: skip
+    done = {i: Sample(tokens, prompt_len) for i, (tokens, prompt_len) in saved["samples"].items()}
+    start = time.perf_counter()
+    deadline = None if budget_s is None else regen_deadline(budget_s, saved["seconds"], start)
+
+    def params(i: int) -> SamplingParams:  # text windows have no end: they run to gen_len
+        return SamplingParams(
+            max_tokens=recipe.gen_len,
+            temperature=recipe.temperature,
+            seed=recipe.seed + i,
+            ignore_eos=not chat,
+        )
+
+    def save() -> None:
+        state = {
+            "samples": {i: (s.tokens, s.prompt_len) for i, s in done.items()},
+            "seconds": saved["seconds"] + time.perf_counter() - start,
+            "sources": sources,
+        }
+        torch.save(state, path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").replace(path)
+
+    regenerate(llm, prompts, params, done, deadline, save)
+    order = sorted(done)
+    return [done[i] for i in order], [sources[i] for i in order], saved["seconds"]
+
+
+def resumable(out: Path) -> bool:
+    """Whether an interrupted run left a stage in `out` to continue from."""
+    return any((out / name).is_file() for name in STAGES)
 
 
 def new_draft(target: LlamaForCausalLM, recipe: DraftRecipe, vocab: torch.Tensor) -> Eagle3Draft:
@@ -124,42 +148,83 @@ def new_draft(target: LlamaForCausalLM, recipe: DraftRecipe, vocab: torch.Tensor
     return draft
 
 
+def seconds_per_step(draft: Eagle3Draft, step_loss: StepLoss, repeats: int = 2) -> float:
+    """One training step's time: forward and backward of the first batches after a warm-up one; the
+    gradients are dropped, so the draft is unchanged."""
+    times = []
+    for step in range(repeats + 1):
+        start = time.perf_counter()
+        step_loss(step)[0].backward()
+        times.append(time.perf_counter() - start)
+    draft.zero_grad(set_to_none=True)
+    return min(times[1:]) * 1.05  # the optimizer step
+
+
 def train_draft(
     target_dir: Path,
     out: Path,
     recipe: DraftRecipe = DraftRecipe(),
-    data_path: Path | None = None,
+    data_source: str | Path | None = None,  # "sharegpt", a path, or None: the standard library
     resume: bool = False,
     stop_after: int | None = None,
+    budget_minutes: float | None = None,
 ) -> dict:
     """Trains and saves the draft under `out`; returns a summary (also in out/train_log.json)."""
+    start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
-    cached = out / "draft_data.pt"
-    if resume and cached.is_file():
-        features = DraftData.load(cached)
+    if resume and not resumable(out):
+        raise FileNotFoundError(f"--resume: nothing to resume in {out} (no samples, features or checkpoint)")
+    if not resume:
+        for name in STAGES:
+            (out / name).unlink(missing_ok=True)
+    budget_s = None if budget_minutes is None else 60.0 * budget_minutes
+    features_path = out / "draft_data.pt"
+    if features_path.is_file():
+        features = DraftData.load(features_path)
+        saved = torch.load(out / "samples.pt", weights_only=True)
+        used = [saved["sources"][i] for i in sorted(saved["samples"])]
+        earlier_s = saved["seconds"]  # answering and features of the interrupted run, at least
     else:
-        texts = data.load_texts(data_path) if data_path is not None else data.split_stdlib()[0]
-        features = generate_data(target_dir, texts, recipe)
-        features.save(cached)
+        samples, used, earlier_s = answer_prompts(target_dir, out, recipe, data_source, budget_s)
+        features = extract(load_target(target_dir, compute_dtype()), samples, recipe.draft_vocab)
+        features.save(features_path)
     target = load_target(target_dir, torch.float32)
     target.requires_grad_(False)
     draft = new_draft(target, recipe, features.vocab)
     head_rows = target.lm_head.weight[features.vocab]  # [V_draft, H]
+    length = min(recipe.seq_len, len(features.tokens))
 
     def step_loss(step: int) -> tuple[torch.Tensor, dict[str, float]]:
         gen = data.step_generator(recipe.seed, step)
-        pick = torch.randint(0, len(features.tokens), (recipe.batch_size,), generator=gen)
-        target_probs = torch.softmax(features.final[pick] @ head_rows.T, dim=-1)
-        return ttt_loss(draft, features.tokens[pick], features.aux[pick], target_probs, recipe.ttt_steps)
+        starts = torch.randint(0, len(features.tokens) - length + 1, (recipe.batch_size,), generator=gen)
+        w = features.windows(starts.tolist(), length)
+        with autocast():
+            return ttt_loss(
+                draft, w["tokens"], w["aux"], w["segments"], w["final"].to(head_rows.dtype), head_rows,
+                w["scored"], recipe.ttt_steps,
+            )  # fmt: skip
 
-    schedule = Schedule(recipe.steps, recipe.lr, recipe.warmup, recipe.weight_decay, clip=0.5, save_every=50)
-    log = train(draft, step_loss, schedule, out / "checkpoint.pt", resume, "train-draft", stop_after)
+    steps, plan = recipe.steps, None
+    if budget_s is not None:
+        plan_path = out / "plan.json"
+        if not plan_path.is_file():
+            step_s = seconds_per_step(draft, step_loss)
+            plan_training(budget_s, earlier_s + time.perf_counter() - start, step_s).save(plan_path)
+        plan = Plan.load(plan_path)
+        steps = plan.steps
+    checkpoint = out / "checkpoint.pt"
+    schedule = Schedule(steps, recipe.lr, min(recipe.warmup, steps // 10), recipe.weight_decay, clip=0.5,
+                        save_every=50)  # fmt: skip
+    log = train(draft, step_loss, schedule, checkpoint, checkpoint.is_file(), "train-draft", stop_after)
     save_draft(draft, out)
     tail = log[-20:]
     summary = {
         "recipe": asdict(recipe),
-        "sequences": len(features.tokens),
-        "sequence_tokens": features.tokens.shape[1],
+        "data": str(data_source or "standard library"),
+        "budget": asdict(plan) if plan else None,
+        "sequences": features.num_sequences,
+        "tokens": len(features.tokens),
+        "scored_tokens": int(features.scored.sum()),
         "steps_done": len(log),
         "final_loss": sum(e["loss"] for e in tail) / max(1, len(tail)),
         **{
@@ -168,7 +233,7 @@ def train_draft(
             if k.startswith("acc")
         },
     }
-    (out / "train_log.json").write_text(json.dumps({"summary": summary, "log": log}, indent=1))
+    (out / "train_log.json").write_text(json.dumps({"summary": summary, "sources": used, "log": log}))
     return summary
 
 
@@ -177,7 +242,7 @@ def acceptance_length(
 ) -> float:
     """Mean tokens emitted per decode step over greedy completions of `prompts`."""
     llm = LLM(target_dir, dtype="float32", max_batch=8, draft=draft_dir, num_draft_tokens=k,
-              max_seq_len=max(map(len, prompts)) + max_tokens + 8)  # fmt: skip
+              max_seq_len=max(map(len, prompts)) + max_tokens + 8, compile=False)  # fmt: skip
     completions = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     return run_acceptance_length(completions)
 

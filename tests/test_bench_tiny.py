@@ -1,14 +1,10 @@
-"""`redline bench` and `redline demo` on the tiny trained pair."""
+"""`redline bench` on the tiny trained pair (the demo: test_demo.py)."""
 
 from __future__ import annotations
 
 import json
-import shutil
-
-import pytest
 
 from redline.cli import main
-from redline.demo import run_demo
 
 
 def test_bench_writes_json_and_plot(trained, tmp_path):
@@ -42,37 +38,3 @@ def test_bench_writes_json_and_plot(trained, tmp_path):
 def test_bench_rejects_bad_draft_lengths(trained, capsys):
     assert main(["bench", "--model", str(trained / "target"), "--num-draft-tokens", "0,3"]) == 2
     assert "1..8" in capsys.readouterr().err
-
-
-def test_demo_runs_the_cached_pair(trained, tmp_path, monkeypatch, capsys):
-    cache = tmp_path / "demo-v1"
-    for name in ("target", "draft"):
-        shutil.copytree(trained / name, cache / name)
-    monkeypatch.setenv("REDLINE_CACHE", str(tmp_path))
-    result = run_demo(num_prompts=2, max_tokens=24)
-    assert result["identical"]
-    assert result["acceptance_length"] > 1.5
-    printed = capsys.readouterr().out
-    assert "held-out prompt 2" in printed and "speedup" in printed
-
-
-def test_demo_builds_in_a_partial_directory_and_resumes(tmp_path):
-    from redline.demo import _build
-
-    calls = []
-
-    def trainer(out, resume):
-        calls.append(resume)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "checkpoint.pt").write_text("step")
-        if len(calls) == 1:
-            raise KeyboardInterrupt  # interrupted mid-training
-        (out / "config.json").write_text("{}")
-
-    final = tmp_path / "target"
-    with pytest.raises(KeyboardInterrupt):
-        _build(final, trainer)
-    assert not final.exists() and (tmp_path / "target.partial").is_dir()
-    _build(final, trainer)
-    assert calls == [False, True]  # the second run resumed from the checkpoint
-    assert (final / "config.json").is_file() and not (tmp_path / "target.partial").exists()

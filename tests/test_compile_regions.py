@@ -1,0 +1,62 @@
+"""Regional compilation: inside torch.compile every decoder layer of a kind is one nested compile region,
+traced once and called once per layer; compiled engines are the default on CPU."""
+
+from __future__ import annotations
+
+import torch
+import torch._dynamo
+from conftest import llama3_hf_config
+
+from redline.config import ModelConfig
+from redline.engine.kv_cache import KVCache
+from redline.engine.runner import ModelRunner
+from redline.kernels.select import select_cpu_paths
+from redline.models.llama import LlamaForCausalLM
+from redline.models.random_init import normal_init
+
+
+def test_the_layers_of_a_model_share_one_compiled_region():
+    """Four layers, one decode forward through a graph-recording backend: four invoke_subgraph calls of
+    one subgraph, the cache writes inside it landing in each layer's own cache."""
+    raw = llama3_hf_config(num_hidden_layers=4).to_dict()
+    config = ModelConfig.from_dict({**raw, "architectures": ["LlamaForCausalLM"]})
+    model = LlamaForCausalLM(config).eval()
+    normal_init(model, std=0.1)
+    select_cpu_paths(model, compiled=True)
+    assert model.layer_regions
+    cache = KVCache(config, 1, 64, torch.float32, torch.device("cpu"))
+    tokens, positions = torch.tensor([[5, 7]]), torch.tensor([[3, 4]])
+
+    def forward(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return model(tokens, positions, cache.layers, 0, 64)[0]
+
+    graphs = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> torch.fx.GraphModule:
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        got = torch.compile(forward, backend=backend, fullgraph=True)(tokens, positions)
+        keys = [k[0, :, 3:5].clone() for k, _ in cache.layers]
+        want = forward(tokens, positions)
+    [graph] = graphs
+    calls = [n for n in graph.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
+    assert len(calls) == 4
+    assert len({call.args[0].target for call in calls}) == 1  # one traced body for every layer
+    torch.testing.assert_close(got, want)
+    for key, (k, _) in zip(keys, cache.layers, strict=True):  # each layer wrote its own cache
+        torch.testing.assert_close(key, k[0, :, 3:5])
+        assert key.abs().sum() > 0
+
+
+def test_runners_compile_on_cpu_unless_the_environment_says_not(monkeypatch, llama3_dir):
+    from redline.models.build import load_target
+
+    model = load_target(llama3_dir[0], torch.float32)
+    monkeypatch.setenv("REDLINE_COMPILE", "1")
+    assert ModelRunner(model, 1, 64, compile=None).compiled_step is not None
+    monkeypatch.setenv("REDLINE_COMPILE", "0")
+    assert ModelRunner(model, 1, 64, compile=None).compiled_step is None
+    assert ModelRunner(model, 1, 64).compiled_step is None  # the runner itself defaults to eager
