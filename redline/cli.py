@@ -420,8 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--dtype",
         choices=["float32", "bfloat16"],
-        default="float32",
-        help="of the chats (the draft trains in bf16 where the CPU has it)",
+        default=None,
+        help="of the chats (default: bfloat16 where the CPU computes it natively, AVX-512 BF16 or AMX)",
     )
     m.set_defaults(func=cmd_demo)
 

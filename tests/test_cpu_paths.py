@@ -10,7 +10,8 @@ import torch._dynamo.utils
 import torch.nn.functional as F
 
 from redline.engine.compiled_step import CompiledStep
-from redline.layers.linear import FEW_ROWS, Linear, streamed_rows, weight_times_xt
+from redline.layers import linear
+from redline.layers.linear import FEW_ROWS, Linear, faster_fp32_product, streamed_rows, weight_times_xt
 from redline.layers.reduced_attention import attention_by_reductions, sdpa_attention
 
 # K = 64..512 fp32 products summed in another order differ by a few ulp; bf16 outputs are rounded to an
@@ -55,9 +56,20 @@ def test_select_cpu_paths_by_dtype_and_compile():
     fp32, bf16 = Linear(8, 8), Linear(8, 8).to(torch.bfloat16)
     model = torch.nn.ModuleList([fp32, bf16])
     select_cpu_paths(model, compiled=False)
-    assert fp32.few_rows is weight_times_xt and bf16.few_rows is None
+    assert fp32.few_rows is faster_fp32_product(fp32.weight) and bf16.few_rows is None
     select_cpu_paths(model, compiled=True)
     assert fp32.few_rows is streamed_rows and bf16.few_rows is streamed_rows
+
+
+def test_the_fp32_product_is_timed_once_per_shape_and_computes_the_same(monkeypatch):
+    monkeypatch.setattr(linear, "_FP32_CHOICE", {})
+    weight = torch.randn(96, 40)
+    chosen = faster_fp32_product(weight)
+    assert chosen in (weight_times_xt, None) and set(linear._FP32_CHOICE) == {(96, 40)}
+    linear._FP32_CHOICE[(96, 40)] = not linear._FP32_CHOICE[(96, 40)]  # a second call reads, not times
+    assert faster_fp32_product(torch.randn(96, 40)) is not chosen
+    x = torch.randn(FEW_ROWS // 2, 40)
+    torch.testing.assert_close(weight_times_xt(x, weight), torch.nn.functional.linear(x, weight))
 
 
 def test_compiled_step_runs_the_graph_of_each_key_at_every_kv_len():

@@ -37,7 +37,8 @@ def test_the_draft_builds_in_a_partial_directory_and_resumes(tmp_path):
         (out / "samples.pt").write_text("answers so far")
         if len(calls) == 1:
             raise KeyboardInterrupt  # interrupted while the target answers
-        (out / "config.json").write_text("{}")
+        for name in ("draft_data.pt", "checkpoint.pt", "config.json"):
+            (out / name).write_text("{}")
 
     final = tmp_path / "draft"
     with pytest.raises(KeyboardInterrupt):
@@ -46,6 +47,7 @@ def test_the_draft_builds_in_a_partial_directory_and_resumes(tmp_path):
     demo._build(final, trainer)
     assert calls == [False, True]  # the second run resumed
     assert (final / "config.json").is_file() and not (tmp_path / "draft.partial").exists()
+    assert not (final / "draft_data.pt").exists() and not (final / "checkpoint.pt").exists()  # 1 GB, done
 
 
 @needs_packages

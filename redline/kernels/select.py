@@ -11,7 +11,7 @@ from torch import nn
 
 from redline.kernels import HAS_TRITON
 from redline.layers.attention import Attention
-from redline.layers.linear import Linear, streamed_rows, weight_times_xt
+from redline.layers.linear import Linear, faster_fp32_product, streamed_rows
 from redline.layers.mlp import MLP
 from redline.layers.moe import Experts, MoE
 from redline.layers.norm import RMSNorm
@@ -37,8 +37,9 @@ def pdl_supported(device: torch.device) -> bool:
 
 def select_cpu_paths(model: nn.Module, compiled: bool) -> None:
     """Few-row products on CPU (layers/linear.py): in a compiled step, the streamed loop inductor
-    generates (every float dtype); eager, fp32 weights as W @ x^T and others F.linear. Attention of a
-    compiled step on CPU as reductions inductor fuses (layers/reduced_attention.py), else SDPA. A compiled
+    generates (every float dtype); eager, fp32 weights as W @ x^T where that is faster than F.linear
+    (timed per shape), others F.linear. Attention of a compiled step on CPU as reductions inductor
+    fuses (layers/reduced_attention.py), else SDPA. A compiled
     CPU target compiles each kind of decoder layer once (models/llama.run_layer); on CUDA the Triton
     kernels stay visible to inductor in the whole graph instead."""
     if compiled:
@@ -55,7 +56,7 @@ def select_cpu_paths(model: nn.Module, compiled: bool) -> None:
             if weight.is_cpu and compiled and weight.dtype in (torch.float32, torch.bfloat16, torch.float16):
                 module.few_rows = streamed_rows
             elif weight.is_cpu and weight.dtype == torch.float32:
-                module.few_rows = weight_times_xt
+                module.few_rows = faster_fp32_product(weight)
 
 
 def fused_add_norm(

@@ -5,7 +5,8 @@ weight on every call, so x[M, K] @ W[N, K]^T costs about M times the M = 1 produ
 AVX-512 the bf16 product is a loop over rows that reads W once per row. Two products stream W once:
 
 - `weight_times_xt`, fp32 weights in eager code: W @ x^T ([N, K] @ [K, M] -> [N, M], transposed back
-  as a view) costs about what M = 1 does;
+  as a view) costs about what M = 1 does on some CPUs (on others F.linear is faster: timed per shape,
+  `faster_fp32_product`);
 - `streamed_rows`, weights of any float dtype inside torch.compile: inductor fuses the upcast, the M
   products and the M row sums into one C++ loop over W's rows, which loads each 16-weight vector
   once, converts it to fp32 and accumulates it against every x row (stored once in fp32). The loop
@@ -19,6 +20,7 @@ AVX-512 the bf16 product is a loop over rows that reads W once per row. Two prod
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -30,6 +32,30 @@ FEW_ROWS = 8
 
 def weight_times_xt(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [M, K], [N, K] -> [M, N]
     return torch.mm(weight, x.t()).t()
+
+
+_FP32_CHOICE: dict[tuple[int, int], bool] = {}  # (N, K) -> W @ x^T beat F.linear on this machine
+
+
+def faster_fp32_product(weight: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """weight_times_xt, or None (F.linear), whichever multiplies FEW_ROWS // 2 rows (a K = 3 verify) by
+    this fp32 weight faster here, timed once per weight shape. Which wins depends on the CPU's BLAS:
+    at M = 4, W @ x^T cost about what M = 1 does on the AVX2 EPYC instances (BENCHMARKS.md "Few-row
+    linears"), while on an AVX-512 Xeon F.linear took 73 us against 149 for [1536, 576]."""
+    shape = tuple(weight.shape)
+    if shape not in _FP32_CHOICE:
+        x = torch.randn(FEW_ROWS // 2, weight.shape[1])
+        times = {}
+        with torch.inference_mode():
+            for name, product in (("xt", weight_times_xt), ("linear", F.linear)):
+                for _ in range(2):
+                    product(x, weight)
+                start = time.perf_counter()
+                for _ in range(5):
+                    product(x, weight)
+                times[name] = time.perf_counter() - start
+        _FP32_CHOICE[shape] = times["xt"] < times["linear"]
+    return weight_times_xt if _FP32_CHOICE[shape] else None
 
 
 def stored(x: torch.Tensor) -> torch.Tensor:
