@@ -43,6 +43,14 @@ def file_kind(path: Path) -> str:
     return types.most_common(1)[0][0] if types else "?"
 
 
+def weight_bytes(path: Path) -> int:
+    """Bytes of the file's tensors: what a decode step reads in the file's own quantization (a tied
+    embedding is one tensor, read by the output product)."""
+    from gguf import GGUFReader
+
+    return sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
+
+
 def complete(model, prompt: list[int], n: int) -> tuple[list[int], float, float]:
     """One greedy completion of n tokens (eos ignored); returns (tokens, ttft_s, decode tokens/s)."""
     model.reset()  # no prefix reuse between runs: every prompt is prefilled, as in the other engines
