@@ -5,25 +5,16 @@ slower than fp32."""
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 
 import torch
 
 
-def cpu_flags() -> set[str]:
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.is_file():
-        return set()
-    for line in cpuinfo.read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
 def fast_bf16(device: str | torch.device = "cpu") -> bool:
+    """CUDA with bf16, or a CPU with AVX-512 BF16 or AMX tiles, as torch's own CPU feature detection
+    (what inductor asks) reports them."""
     if torch.device(device).type == "cuda":
         return torch.cuda.is_bf16_supported()
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def compute_dtype(device: str | torch.device = "cpu") -> torch.dtype:
