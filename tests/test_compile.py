@@ -38,6 +38,7 @@ def test_a_run_through_every_bucket_compiles_nothing(llama3_pair):
     key is visited after the warm-up, none compiles, and greedy tokens equal the eager engine's."""
     target, draft = llama3_pair
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # unique_graphs counts from here
     kw = dict(dtype="float32", max_batch=2, max_seq_len=CONTEXT, draft=draft, num_draft_tokens=3)
     llm = LLM(target, compile=True, progress=False, **kw)
     runner = llm.runner
@@ -76,6 +77,7 @@ def test_compiled_llama4_runs_past_4096_tokens_without_compiling(tmp_path, token
     target_dir = save_hf_model(build_hf_model(config), tmp_path / "t", tokenizer_dir)
     draft_dir = write_random_draft(target_dir, tmp_path / "d", draft_vocab=200)
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # unique_graphs counts from here
     kw = dict(dtype="float32", max_batch=1, max_seq_len=4200, draft=draft_dir, num_draft_tokens=3)
     llm = LLM(target_dir, compile=True, progress=False, **kw)
     graphs_after_warm_up = unique_graphs()

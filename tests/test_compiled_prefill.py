@@ -19,8 +19,37 @@ from redline.models.random_init import normal_init
 def test_prompt_lengths_pad_to_multiples_of_16_capped_by_the_cache():
     assert [padded_prompt_len(n, 1024) for n in (1, 16, 17, 20, 33, 64, 65)] == [16, 16, 32, 32, 48, 64, 80]
     assert padded_prompt_len(90, 100) == 96 and padded_prompt_len(99, 100) == 100
-    assert warm_up_lengths(100) == [16, 32, 100] and warm_up_lengths(128) == [16, 32, 64, 128]
-    assert warm_up_lengths(4097)[-3:] == [1024, 2048, 4097] and warm_up_lengths(16) == [16]
+    assert warm_up_lengths(4097) == [16, 32] and warm_up_lengths(20) == [16, 20]
+    assert warm_up_lengths(16) == [16]
+
+
+def test_warm_up_visits_both_sides_of_every_token_count_branch():
+    assert warm_up_lengths(4097, {128}) == [16, 32, 128, 144]  # Maverick: 128 experts, top-1
+    assert warm_up_lengths(4097, {40, 8}) == [16, 32, 48]  # 40 -> 32 and 48; nothing pads to <= 8
+    assert warm_up_lengths(130, {128}) == [16, 32, 128, 130]
+
+
+@torch.inference_mode()
+def test_a_length_the_warm_up_did_not_compile_runs_eagerly_with_the_same_result():
+    """32 experts, top-1: prompts of up to 32 tokens take the MoE's few-token path. Compiled at 16 only
+    and frozen, a 40-token prompt (padded to 48: the grouped path) would need a second graph: it warns
+    and runs eagerly, equal to the eager forward."""
+    raw = llama4_hf_config(num_local_experts=32).to_dict()
+    config = ModelConfig.from_dict({**raw, "architectures": ["Llama4ForCausalLM"]})
+    model = LlamaForCausalLM(config).eval()
+    normal_init(model, std=0.1)
+    assert model.token_count_branches() == {32}
+    torch._dynamo.reset()
+    cache = KVCache(config, 1, 64, torch.float32, torch.device("cpu"))
+    eager_cache = KVCache(config, 1, 64, torch.float32, torch.device("cpu"))
+    prefill = CompiledPrefill(model, cache)
+    prefill(torch.randint(0, config.vocab_size, (1, 16)), 0)
+    prefill.freeze()
+    tokens = torch.randint(0, config.vocab_size, (1, 40))
+    with pytest.warns(UserWarning, match="48-token prefill needs a graph the warm-up did not compile"):
+        hidden, _ = prefill(tokens, 0)
+    want, _ = model(tokens, torch.arange(40)[None], eager_cache.layers, 0, eager_cache.kv_len_for(40))
+    torch.testing.assert_close(hidden, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +68,13 @@ def test_compiled_prefill_equals_eager_in_every_slot_and_length_from_one_graph(l
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     model, config = llama4_model, llama4_model.config
-    slots, cache_len = 3, 2100
+    slots, cache_len = 3, 4200
     compiled_cache = KVCache(config, slots, cache_len, torch.float32, torch.device("cpu"))
     eager_cache = KVCache(config, slots, cache_len, torch.float32, torch.device("cpu"))
     prefill = CompiledPrefill(model, compiled_cache)
-    # 20 compiles; 29 and 40 (crossing a chunk of 24) and a 2,000-token prompt (83 chunks) reuse it
-    for slot, n in ((1, 20), (2, 29), (0, 40), (1, 2000)):
+    # 20 compiles; 29 and 40 (crossing a chunk of 24) and a 4,150-token prompt (173 chunks; past
+    # the 4,096 elements at which inductor once split a backed dimension's reductions) reuse it
+    for slot, n in ((1, 20), (2, 29), (0, 40), (1, 4150)):
         tokens = torch.randint(0, config.vocab_size, (1, n))
         others = [s for s in range(slots) if s != slot]
         untouched = [(k[others].clone(), v[others].clone()) for k, v in compiled_cache.layers]

@@ -3,9 +3,10 @@
 A prompt of n tokens runs padded to L = padded_prompt_len(n): a multiple of 16 (at least 16, at most
 the cache length), so lengths 0 and 1, which dynamo would specialize on, never reach the graph. The
 length is marked dynamic, so one graph serves every L; a model whose forward branches on the token
-count (a Llama 4 MoE layer takes its few-token path up to num_experts / top_k tokens) gets one graph
-per side of that branch. ModelRunner.warm_up compiles them all at start-up by running L = 16, 32,
-64, ... and the cache length (warm_up_lengths); after `freeze()` a call that would compile raises.
+count (a Llama 4 MoE layer takes its few-token path up to num_experts / top_k tokens:
+LlamaForCausalLM.token_count_branches) gets one graph per side of that branch. ModelRunner.warm_up
+compiles them all at start-up (warm_up_lengths). After `freeze()` a length that would still compile
+(a branch no model declared) runs the same forward eagerly, with a warning, instead of failing.
 
 The padding is harmless by the cache's own rule (layers/attention.py): the padded tokens take
 positions n .. L - 1, each real query attends only keys at or before its position, and every cache
@@ -18,6 +19,9 @@ and the cache writes land in the real cache through the views.
 """
 
 from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -33,15 +37,18 @@ def padded_prompt_len(n: int, cache_len: int) -> int:
     return min(max(ALIGN, -(-n // ALIGN) * ALIGN), cache_len)
 
 
-def warm_up_lengths(cache_len: int) -> list[int]:
-    """Padded lengths that visit both sides of any token-count branch: 16, 32, 64, ..., then cache_len,
-    without the last power of two above cache_len / 2 (cache_len straddles what it would: 4,097 -> ...,
-    1,024, 2,048, 4,097; a 4,096-token prompt costs seconds of start-up on a CPU)."""
-    lengths, n = [], ALIGN
-    while 2 * n <= cache_len:
-        lengths.append(n)
-        n *= 2
-    return [*lengths, cache_len]
+def warm_up_lengths(cache_len: int, branches: Iterable[int] = ()) -> list[int]:
+    """Padded lengths that compile every prefill graph: 16 (the first call compiles the dynamic graph),
+    32 (a second length: nothing specialized on the first), and for each token count t at which the
+    forward branches (it takes one path up to t tokens, another above), the longest padded length up
+    to t and the shortest above it, within the cache: t = 128 -> 128 and 144; t = 8 -> only 16 (no
+    padded length is <= 8). Long prompts are not run: a 4,097-token warm-up prompt cost SmolLM2 5 s."""
+    lengths = {min(ALIGN, cache_len), min(2 * ALIGN, cache_len)}
+    for t in branches:
+        if t >= ALIGN:
+            lengths.add(min(t // ALIGN * ALIGN, cache_len))
+        lengths.add(padded_prompt_len(t + 1, cache_len))
+    return sorted(lengths)
 
 
 class CompiledPrefill:
@@ -77,6 +84,14 @@ class CompiledPrefill:
         # <= experts), which narrows the range; each side then gets its own graph (warm_up_lengths visits
         # both), where mark_dynamic(min=16) would raise ConstraintViolationError
         torch._dynamo.maybe_mark_dynamic(padded, 1)
-        with torch.compiler.set_stance("fail_on_recompile" if self.frozen else "default"):
-            hidden, aux = self.compiled(padded, self.slot_views[slot])
+        try:
+            with torch.compiler.set_stance("fail_on_recompile" if self.frozen else "default"):
+                hidden, aux = self.compiled(padded, self.slot_views[slot])
+        except RuntimeError as error:  # torch raises a plain RuntimeError for the stance
+            if not (self.frozen and "fail_on_recompile" in str(error)):
+                raise
+            length = padded.shape[1]
+            message = f"a {length}-token prefill needs a graph the warm-up did not compile; it runs eagerly"
+            warnings.warn(message, stacklevel=2)
+            hidden, aux = self._forward(padded, self.slot_views[slot])
         return hidden[:, :n], None if aux is None else aux[:, :n]

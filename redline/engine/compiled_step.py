@@ -8,17 +8,19 @@ recompile limit. The dimension is marked unbacked: the compiler may not speciali
 nothing can split the range (a backed dynamic size let inductor's CPU code generation guard its
 reductions at 4,096 elements, which doubled the graphs, and the start-up compile, of every context
 past 4,096 tokens: BENCHMARKS.md "Start-up compile"). Every key is known up front
-(ModelRunner.step_keys) and run once at start-up (ModelRunner.warm_up); after `freeze()` a call that
-would compile raises. Inside each graph the decoder layers are nested compile regions
-(models/llama.run_layer): one layer of each kind is traced and compiled, and every layer calls it.
+(ModelRunner.step_keys); start-up runs each (rows, sampling) once (ModelRunner.warm_up_step_keys),
+and after `freeze()` a call that would compile raises. Inside each graph the decoder layers are
+nested compile regions (models/llama.run_layer): one layer of each kind is traced and compiled, and
+every layer calls it.
 
 Guard evaluation: every call of a compiled function first evaluates its guards, for an 8-layer model
 about 2,400 checks on modules, parameters and cache tensors, ~0.8 ms per call on an AVX2 instance of
 our CPU, about a tenth of a bf16 step there (BENCHMARKS.md "Compiled bf16 decode"). Nothing those
 guards watch changes between steps: the runner's modules, parameters and state tensors are fixed
-once it is built. So the first call of a (rows, kv_len, sampling) key runs with every guard (and
-compiles if no graph fits); later calls run under `set_stance(skip_guard_eval_unsafe=True)`, where
-dynamo checks only the guards that tell its compiled graphs apart, which include rows and sampling.
+once it is built, and kv_len is unbacked: no guard reads it. So the first call of a (rows,
+sampling) pair runs with every guard (and compiles if no graph fits); later calls, at any kv_len,
+run under `set_stance(skip_guard_eval_unsafe=True)`, where dynamo checks only the guards that tell
+its compiled graphs apart, which include rows and sampling.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class CompiledStep:
         # checks a step for 30 layers; the inputs are the runner's own fixed tensors (as for the guards)
         options = {"size_asserts": False}
         self.compiled = torch.compile(self._run, fullgraph=True, dynamic=False, options=options)
-        self.seen: set[tuple[int, int, bool]] = set()  # (rows, kv_len, sampling) keys run with every guard
+        self.seen: set[tuple[int, bool]] = set()  # (rows, sampling) pairs run with every guard
         self.frozen = False
 
     def _run(self, rows: int, kv_index: torch.Tensor, any_sampling: bool) -> torch.Tensor:
@@ -51,12 +53,10 @@ class CompiledStep:
     def __call__(self, rows: int, kv_len: int, any_sampling: bool) -> torch.Tensor:
         kv_index = self.kv_index[:kv_len]
         torch._dynamo.decorators.mark_unbacked(kv_index, 0)  # one graph for every kv_len
-        key = (rows, kv_len, any_sampling)
+        key = (rows, any_sampling)
         if key not in self.seen:
             if self.frozen:
-                raise RuntimeError(
-                    f"decode step shape {key} (rows, kv_len, sampling) was not compiled at warm-up"
-                )
+                raise RuntimeError(f"decode step shape {key} (rows, sampling) was not compiled at warm-up")
             out = self.compiled(rows, kv_index, any_sampling)
             self.seen.add(key)
             return out

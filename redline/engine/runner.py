@@ -87,7 +87,7 @@ class ModelRunner:
         if self.compiled_step is not None:
             run = self.compiled_step
             limit = len({(rows, sampling) for rows, _, sampling in self.step_keys()})
-            limit += 2 * len(warm_up_lengths(self.cache_len))  # prefill: at most one graph per branch
+            limit += 2 * len(warm_up_lengths(self.cache_len, model.token_count_branches()))  # prefill
             # dynamo's limit counts per function, and every runner's graphs hang off the same functions
             dynamo = torch._dynamo.config
             dynamo.recompile_limit += limit
@@ -116,6 +116,17 @@ class ModelRunner:
         kv_lens = sorted({self.kv_len_for(p) for p in range(self.cache_len - 2 * self.k)})
         return [(r, kv, sampling) for r in rows for kv in kv_lens for sampling in (False, True)]
 
+    def warm_up_step_keys(self) -> list[tuple[int, int, bool]]:
+        """The step keys warm_up runs: all of them for CUDA graphs (one graph per key), else one per (rows,
+        sampling) at the smallest kv bucket: a compiled step has one graph for every kv_len."""
+        keys = self.step_keys()
+        if self.graphed_step is not None:
+            return keys
+        smallest_kv: dict[tuple[int, bool], int] = {}
+        for rows, kv_len, sampling in keys:
+            smallest_kv.setdefault((rows, sampling), kv_len)
+        return [(rows, kv_len, sampling) for (rows, sampling), kv_len in smallest_kv.items()]
+
     @property
     def needs_warm_up(self) -> bool:
         return (
@@ -133,10 +144,10 @@ class ModelRunner:
         work: list[tuple[str, Callable[[], object]]] = []
         if self.compiled_prefill is not None:
             prefill = self.compiled_prefill
-            for n in warm_up_lengths(self.cache_len):
+            for n in warm_up_lengths(self.cache_len, self.model.token_count_branches()):
                 tokens = torch.zeros((1, n), dtype=torch.int64, device=self.device)
                 work.append((f"prefill {n}", lambda tokens=tokens: prefill(tokens, 0)))
-        for rows, kv_len, sampling in self.step_keys():
+        for rows, kv_len, sampling in self.warm_up_step_keys():
             work.append((f"step {rows}x{kv_len}", lambda k=(rows, kv_len, sampling): self._run_step(*k)))
         # a whole prompt, the draft's eager priming pass included: on CUDA its Triton kernels compile here
         prompt = [0] * max(1, min(20, self.max_len - 1))

@@ -113,5 +113,10 @@ class LlamaForCausalLM(nn.Module):
         aux = torch.cat([captured[i] for i in self.aux_layers], dim=-1) if self.aux_layers else None
         return self.model.norm(x), aux
 
+    def token_count_branches(self) -> set[int]:
+        """Token counts t at which the forward takes another path above t tokens than up to t: a MoE
+        layer gathers each token's experts while tokens * top_k <= experts (128 experts, top-1: t = 128)."""
+        return {m.num_experts // m.top_k for m in self.modules() if isinstance(m, MoE)}
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., vocab] fp32
         return self.lm_head(hidden).float()
