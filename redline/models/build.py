@@ -11,6 +11,8 @@ from redline.config import ModelConfig
 from redline.models.expert_layout import per_expert_part
 from redline.models.llama import LlamaForCausalLM
 from redline.models.loader import Part, load_weights
+from redline.parallel import sharding
+from redline.parallel.group import SINGLE, TensorParallel
 from redline.quant.convert import HIGH_PRECISION, QuantizeOnLoad, fp8_skeleton
 from redline.quant.fp8 import scaled_mm_available
 from redline.quant.scheme import Fp8Scheme, fp8_scheme
@@ -52,17 +54,25 @@ def load_target(
     dtype: torch.dtype = torch.bfloat16,
     device: str | torch.device = "cpu",
     quantization: str | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> LlamaForCausalLM:
-    """quantization "fp8" quantizes a high-precision checkpoint while loading (each decoder linear and
+    """With tp.size > 1 this process builds and reads only rank tp.rank's shard (parallel/sharding.py).
+    quantization "fp8" quantizes a high-precision checkpoint while loading (each decoder linear and
     expert module as soon as its weights are read, so the high-precision model never sits in memory whole);
     FP8 checkpoints load as FP8 whatever it says."""
     if quantization not in (None, "fp8"):
         raise ValueError(f"unknown quantization {quantization!r}; choose fp8")
     config = ModelConfig.from_dir(model_dir)
+    shard_of = None
+    if tp.size > 1:
+        if quantization is not None or config.raw.get("quantization_config"):
+            raise ValueError("tensor parallelism does not support FP8 models yet")
+        shard_of = functools.partial(sharding.shard_of, config, rank=tp.rank, size=tp.size)
+        config = sharding.local_config(config, tp.size)
     scheme = fp8_scheme(config.raw, str(Path(model_dir) / "config.json"))
     scaled_mm = scaled_mm_available(torch.device(device))
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, tp)
         if scheme is not None:
             fp8_skeleton(model, scheme, scaled_mm, functools.partial(module_key_to_checkpoint_key, config))
     hook = None
@@ -77,6 +87,7 @@ def load_target(
         rename=checkpoint_key_to_module_key(config),
         optional=optional,
         hook=hook,
+        shard_of=shard_of,
     )
     model.tie_weights()
     model.model.rotary.materialize(torch.device(device))

@@ -18,13 +18,15 @@ from redline.layers.mlp import MLP
 from redline.layers.moe import MoE
 from redline.layers.norm import RMSNorm
 from redline.layers.rotary import Rotary
+from redline.parallel.group import SINGLE, TensorParallel
 
 KVLayer = tuple[torch.Tensor, torch.Tensor]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary):
+    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary, tp: TensorParallel):
         super().__init__()
+        self.tp = tp  # with N ranks, attention and the MLP each return a partial sum: all-reduced here
         h = config.hidden_size
         self.self_attn = Attention(config, layer, rotary)
         self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
@@ -42,13 +44,13 @@ class DecoderLayer(nn.Module):
         self.add_norm = None
 
     def forward(self, x: torch.Tensor, batch: AttentionBatch, cache: KVLayer | None) -> torch.Tensor:
-        attended = self.self_attn(self.input_layernorm(x), batch, cache)
+        attended = self.tp.all_reduce(self.self_attn(self.input_layernorm(x), batch, cache))
         if self.add_norm is not None:
             normed, x = self.add_norm(attended, x, self.post_attention_layernorm)
         else:
             x = x + attended
             normed = self.post_attention_layernorm(x)
-        return x + self.mlp(normed)
+        return x + self.tp.all_reduce(self.mlp(normed))
 
 
 @torch.compiler.nested_compile_region
@@ -62,19 +64,21 @@ def run_layer(
 
 
 class Decoder(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel):
         super().__init__()
         self.rotary = Rotary(config.rope, config.head_dim, config.rope_interleaved)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary) for i in range(config.num_layers))
+        layers = (DecoderLayer(config, i, self.rotary, tp) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE):
+        """With tp.size > 1, config is this rank's shard of the model (parallel/sharding.local_config)."""
         super().__init__()
-        self.config = config
-        self.model = Decoder(config)
+        self.config, self.tp = config, tp
+        self.model = Decoder(config, tp)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         # EAGLE-3 aux hidden states, by the published configs' convention: id i is the input of layer i
         # (the output of layer i - 1; id num_layers is the last layer's output before the final norm).

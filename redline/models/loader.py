@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from redline.models.shards import ShardWriter
 from redline.models.tensor_files import CheckpointError, checkpoint_files, open_tensor_file
+from redline.parallel.sharding import Shard
 
 __all__ = [
     "CheckpointError",
@@ -45,6 +46,7 @@ class Part:
 
 
 Rename = Callable[[str], str | Part | None]  # checkpoint key -> module key, a Part, or None to skip it
+ShardOf = Callable[[str], Shard | None]  # module key -> what this rank reads of it (None: all of it)
 
 
 class LoadHook(Protocol):
@@ -151,8 +153,20 @@ def _plan(
     return {module_key: list(group.values()) for module_key, group in sources.items()}
 
 
-def _check_headers(model: torch.nn.Module, sources: dict[str, list[_Source]], model_dir: Path) -> None:
-    """Shapes, FP8 vs high precision, and complete coverage of module tensors assembled from Parts."""
+def _rank_shape(shape: tuple[int, ...], shard: Shard | None, where: str) -> tuple[int, ...]:
+    """The shape of what a tensor-parallel rank reads of a tensor of `shape`."""
+    if shard is None or shard.zeroed:
+        return shape
+    if len(shard.index) > len(shape):
+        raise CheckpointError(f"{where} has shape {list(shape)}: too few dimensions to split over ranks")
+    return tuple(torch.empty(shape, device="meta")[shard.index].shape)
+
+
+def _check_headers(
+    model: torch.nn.Module, sources: dict[str, list[_Source]], model_dir: Path, shard_of: ShardOf | None
+) -> None:
+    """Shapes (of this rank's shard), FP8 vs high precision, and complete coverage of module tensors
+    assembled from Parts."""
     by_file: dict[Path, list[_Source]] = {}
     for group in sources.values():
         for source in group:
@@ -163,7 +177,13 @@ def _check_headers(model: torch.nn.Module, sources: dict[str, list[_Source]], mo
                 module_key, part = source.part.module_key, source.part
                 target = _module_tensor(model, module_key)[2]
                 region = tuple(torch.empty(target.shape, device="meta")[part.index].shape)
-                shape = file.shape(source.key)
+                shard = shard_of(module_key) if shard_of else None
+                if shard is not None and part.index:
+                    raise CheckpointError(
+                        f"{path}: {source.key!r} is one part of {module_key!r}: tensor-parallel loading of "
+                        "assembled tensors is not supported"
+                    )
+                shape = _rank_shape(file.shape(source.key), shard, f"{path}: tensor {source.key!r}")
                 shape = shape[::-1] if part.transpose else shape
                 if not _fits(shape, region, part):
                     where = f" at [{', '.join(map(_index_text, part.index))}]" if part.index else ""
@@ -202,10 +222,11 @@ def _checked_sources(
     rename: Rename,
     expected: Iterable[str] | None,
     optional: Iterable[str],
+    shard_of: ShardOf | None = None,
 ) -> dict[str, list[_Source]]:
     expected_keys = set(model.state_dict().keys() if expected is None else expected)
     sources = _plan(checkpoint_files(model_dir), rename, expected_keys, set(optional), model_dir)
-    _check_headers(model, sources, model_dir)
+    _check_headers(model, sources, model_dir, shard_of)
     return sources
 
 
@@ -232,12 +253,14 @@ def load_weights(
     optional: Iterable[str] = (),
     hook: LoadHook | None = None,
     progress: bool = True,
+    shard_of: ShardOf | None = None,
 ) -> set[str]:
     """Replace the model's parameters and buffers with checkpoint tensors; returns the module keys loaded.
 
     Reads one file at a time and one tensor at a time. A module tensor assembled from Parts is allocated
-    when its first Part arrives and filled in place."""
-    sources = _checked_sources(model, Path(model_dir), rename, expected, optional)
+    when its first Part arrives and filled in place. With `shard_of` (tensor parallelism) a rank reads
+    only its shard of each split tensor: safetensors slices read just those bytes."""
+    sources = _checked_sources(model, Path(model_dir), rename, expected, optional, shard_of)
     remaining = {module_key: len(group) for module_key, group in sources.items()}  # Parts still to come
     by_file: dict[Path, list[_Source]] = {}
     for group in sources.values():
@@ -247,9 +270,17 @@ def load_weights(
         for path, group in by_file.items():
             with open_tensor_file(path) as file:
                 for source in group:
-                    _load_one(model, file.read(source.key), source, dtype, device, hook, sources, remaining)
+                    shard = shard_of(source.part.module_key) if shard_of else None
+                    tensor = file.read(source.key) if shard is None else _read_shard(file, source.key, shard)
+                    _load_one(model, tensor, source, dtype, device, hook, sources, remaining)
                     bar.update()
     return set(sources)
+
+
+def _read_shard(file, key: str, shard: Shard) -> torch.Tensor:
+    if shard.zeroed:
+        return torch.zeros(file.shape(key), dtype=file.dtype(key))
+    return file.read_slice(key, shard.index)
 
 
 def _load_one(

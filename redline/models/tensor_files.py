@@ -74,6 +74,13 @@ class SafetensorsFile:
         except SafetensorError as e:
             raise CheckpointError(f"{self.path}: cannot read data of tensor {key!r}: {e}") from e
 
+    def read_slice(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
+        """tensor[index], reading only those bytes from the file."""
+        try:
+            return self._handle.get_slice(key)[index]
+        except SafetensorError as e:
+            raise CheckpointError(f"{self.path}: cannot read data of tensor {key!r}: {e}") from e
+
 
 class TorchFile:
     """A `.bin` state dict, its tensors views of the memory-mapped file."""
@@ -92,6 +99,9 @@ class TorchFile:
 
     def read(self, key: str) -> torch.Tensor:
         return self._tensors[key]
+
+    def read_slice(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
+        return self._tensors[key][index]
 
 
 def _load_bin(path: Path) -> dict[str, torch.Tensor]:

@@ -1,0 +1,90 @@
+"""Megatron-style sharding of a Llama model over N tensor-parallel ranks.
+
+Column-parallel (each rank holds a block of output rows): q_proj, k_proj, v_proj, gate_proj, up_proj.
+Row-parallel (a block of input columns; the ranks' partial outputs are summed by one all-reduce after
+attention and one after the MLP): o_proj, down_proj. Replicated: norms, embeddings, lm_head.
+
+Attention heads split with their projections: rank r holds query heads [r H/N, (r + 1) H/N). Key/value
+heads split the same way when N divides their count; with fewer KV heads than ranks (N a multiple of
+KV) each rank holds the one KV head its query heads read, so N / KV ranks share each. Example, 8 query
+heads, 2 KV heads, N = 4: rank 2 holds query heads 4, 5 and KV head 1 (query head j reads KV head
+j // 4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+from redline.config import ConfigError, ModelConfig
+
+COLUMN = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+ROW = re.compile(r"\.(o_proj|down_proj)\.(weight|bias)$")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The part of a checkpoint tensor a rank loads: tensor[index], or zeros of its shape when `zeroed`
+    (a row-parallel bias lives on rank 0 only, so the all-reduce adds it once)."""
+
+    index: tuple[slice, ...]
+    zeroed: bool = False
+
+
+def check_divisible(config: ModelConfig, size: int) -> None:
+    """Raises ConfigError unless the model splits evenly over `size` ranks."""
+    problems = []
+    if config.num_heads % size:
+        problems.append(f"{config.num_heads} attention heads")
+    kv = config.num_kv_heads
+    if kv % size and size % kv:
+        problems.append(f"{kv} key/value heads (need a multiple or a divisor of the ranks)")
+    if config.intermediate_size % size:
+        problems.append(f"an MLP width of {config.intermediate_size}")
+    if config.num_experts:
+        problems.append("experts (Llama 4 MoE is not tensor-parallel yet)")
+    if problems:
+        raise ConfigError(f"cannot split the model over {size} tensor-parallel ranks: {', '.join(problems)}")
+
+
+def local_config(config: ModelConfig, size: int) -> ModelConfig:
+    """The config of one rank's shard: its heads, KV heads and MLP width."""
+    check_divisible(config, size)
+    return dataclasses.replace(
+        config,
+        num_heads=config.num_heads // size,
+        num_kv_heads=max(1, config.num_kv_heads // size),
+        intermediate_size=config.intermediate_size // size,
+    )
+
+
+def shard_of(config: ModelConfig, module_key: str, rank: int, size: int) -> Shard | None:
+    """What `rank` loads of the full tensor behind module_key; None: the whole tensor (replicated)."""
+    if size == 1:
+        return None
+    if m := COLUMN.search(module_key):
+        start, stop = _output_rows(config, m.group(1), rank, size)
+        return Shard((slice(start, stop),))
+    if m := ROW.search(module_key):
+        if m.group(2) == "bias":
+            return Shard((), zeroed=rank != 0)
+        width = config.num_heads * config.head_dim if m.group(1) == "o_proj" else config.intermediate_size
+        block = width // size
+        return Shard((slice(None), slice(rank * block, (rank + 1) * block)))
+    return None
+
+
+def _output_rows(config: ModelConfig, projection: str, rank: int, size: int) -> tuple[int, int]:
+    """[start, stop) of the rows of a column-parallel projection that `rank` holds."""
+    d = config.head_dim
+    if projection == "q_proj":
+        heads = config.num_heads // size
+        return rank * heads * d, (rank + 1) * heads * d
+    if projection in ("k_proj", "v_proj"):
+        kv = config.num_kv_heads
+        first = rank * kv // size  # kv >= size: kv / size heads from here; else the one head shared
+        heads = max(1, kv // size)
+        return first * d, (first + heads) * d
+    block = config.intermediate_size // size
+    return rank * block, (rank + 1) * block
