@@ -18,6 +18,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32 | fp8 (FP8 weights)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    add_tensor_parallel_arg(p)
+
+
+def add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
+    help = "split the model over N processes on this machine (one GPU each on CUDA)"
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, metavar="N", help=help)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -42,6 +48,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         pdl=args.pdl,
         kv_cache_dtype=args.kv_cache_dtype,
         max_batch=1,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     if llm.warmup_s:
         print(

@@ -3,6 +3,7 @@ shard of the checkpoint, gives the one-process logits at every position."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -11,10 +12,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import build_hf_model, llama3_hf_config, save_hf_model
 
+from redline import LLM, SamplingParams
 from redline.config import ConfigError, ModelConfig
 from redline.models.build import load_target
+from redline.models.random_init import write_random_draft
 from redline.parallel.group import TensorParallel
 from redline.parallel.sharding import Shard, local_config, shard_of
+from redline.parallel.workers import wait_for_workers
 
 
 def test_shards_follow_the_heads_and_replicate_kv_heads_when_ranks_outnumber_them():
@@ -72,3 +76,62 @@ def test_tensor_parallel_logits_equal_one_process(tmp_path, tokenizer_dir, size,
     # fp32 sums split over ranks and added in another order: a few ulp per layer over 3 layers
     torch.testing.assert_close(logits[0], want, atol=1e-4, rtol=1e-4)
     assert torch.equal(logits[0].argmax(-1), want.argmax(-1))
+
+
+def test_an_engine_over_two_processes_generates_what_one_does(tmp_path, tokenizer_dir):
+    """LLM(tensor_parallel_size=2) with an EAGLE-3 draft at K = 3, fp32: greedy and seeded sampled
+    completions of two prompts at once equal the one-process engine's token for token."""
+    hf = build_hf_model(llama3_hf_config(), seed=int(torch.randint(0, 2**31, ())))
+    target = save_hf_model(hf, tmp_path / "t", tokenizer_dir)
+    draft = write_random_draft(target, tmp_path / "d")
+    prompts = [torch.randint(5, 384, (n,)).tolist() for n in (40, 9)]
+    params = [SamplingParams(max_tokens=24, ignore_eos=True),
+              SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.9, seed=11)]  # fmt: skip
+    kw = dict(dtype="float32", max_batch=2, max_seq_len=128, draft=draft, num_draft_tokens=3, progress=False)
+    want = [c.token_ids for c in LLM(target, **kw).generate(prompts, params)]
+    llm = LLM(target, tensor_parallel_size=2, **kw)
+    workers = list(llm.runner.workers)
+    try:
+        assert llm.model.config.num_heads == 2 and llm.model.tp.size == 2  # this process holds rank 0's half
+        assert [c.token_ids for c in llm.generate(prompts, params)] == want
+    finally:
+        llm.close()
+    assert len(workers) == 1 and not workers[0].is_alive() and workers[0].exitcode == 0
+
+
+def _exit_with(code: int) -> None:
+    os._exit(code)
+
+
+def _report_failure(status) -> None:
+    status.put((1, "failed", "Traceback (most recent call last):\nMemoryError: no room for the shard"))
+
+
+def test_a_worker_that_dies_or_fails_while_starting_is_named_on_rank_0():
+    context = mp.get_context("spawn")
+    status = context.Queue()
+    dead = context.Process(target=_exit_with, args=(3,))
+    dead.start()
+    with pytest.raises(RuntimeError, match="rank 1 exited with code 3 while starting"):
+        wait_for_workers(status, [dead], "joining")
+    failing = context.Process(target=_report_failure, args=(status,))
+    failing.start()
+    with pytest.raises(RuntimeError, match="rank 1 failed to start:\n(?s:.)*MemoryError: no room for the"):
+        wait_for_workers(status, [failing], "ready")
+    failing.join()
+
+
+def test_the_compiled_step_traces_the_collectives_on_every_rank(tmp_path, tokenizer_dir):
+    """compile=True over 2 ranks: each rank compiles its step and prefill with fullgraph=True (a
+    collective that broke the graph would raise), and greedy tokens equal the eager one-process engine's."""
+    target = save_hf_model(build_hf_model(llama3_hf_config(), seed=5), tmp_path / "t", tokenizer_dir)
+    prompts = [torch.randint(5, 384, (n,)).tolist() for n in (40, 9)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    kw = dict(dtype="float32", max_batch=2, max_seq_len=128, progress=False)
+    want = [c.token_ids for c in LLM(target, compile=False, **kw).generate(prompts, params)]
+    llm = LLM(target, tensor_parallel_size=2, compile=True, **kw)
+    try:
+        assert llm.runner.compiled_step is not None
+        assert [c.token_ids for c in llm.generate(prompts, params)] == want
+    finally:
+        llm.close()

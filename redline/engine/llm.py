@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -16,6 +17,8 @@ from redline.engine.runner import ModelRunner
 from redline.engine.scheduler import Scheduler
 from redline.models.build import load_target
 from redline.models.eagle3 import load_draft
+from redline.parallel import sharding, workers
+from redline.parallel.workers import ParallelRunner, RunnerSpec
 from redline.sampling import SamplingParams
 from redline.tokenizer import Tokenizer
 
@@ -95,6 +98,7 @@ class LLM:
         pdl: bool = False,
         kv_cache_dtype: str | None = None,
         progress: bool = True,
+        tensor_parallel_size: int = 1,
     ):
         """dtype "fp8" means bfloat16 activations with FP8 weights (quantization="fp8"); pdl launches the
         Triton kernels with programmatic dependent launch (Hopper or newer GPUs); kv_cache_dtype "fp8"
@@ -102,7 +106,8 @@ class LLM:
         kernels.select.compile_by_default; compile=False runs eager) torch.compiles the decode step and the
         prefill; with it (or on CUDA, where every step shape is captured as a CUDA graph) construction
         compiles and captures every shape the engine can meet, with a progress bar unless progress=False;
-        `warmup_s` says how long it took."""
+        `warmup_s` says how long it took. tensor_parallel_size N > 1 splits the model over N processes
+        (parallel/): this one and N - 1 workers it starts, one GPU each on CUDA; close() stops them."""
         model_dir = Path(model)
         if dtype == "fp8":
             dtype, quantization = "bfloat16", "fp8"
@@ -120,30 +125,44 @@ class LLM:
         self.tokenizer = Tokenizer.from_dir(
             model_dir, extra_eos_ids=[*self.config.eos_token_ids, *_generation_eos(model_dir)]
         )
-        self.model = load_target(model_dir, torch_dtype, device, quantization)
-        self.draft = None
-        if draft is not None:
-            if not 1 <= num_draft_tokens <= 8:
-                raise ValueError(f"num_draft_tokens must be in 1..8, got {num_draft_tokens}")
-            self.draft = load_draft(draft, self.model, torch_dtype, device)
-        self.num_draft_tokens = num_draft_tokens if self.draft is not None else 0
+        if draft is not None and not 1 <= num_draft_tokens <= 8:
+            raise ValueError(f"num_draft_tokens must be in 1..8, got {num_draft_tokens}")
         self.max_seq_len = min(max_seq_len or 4096, self.config.max_position)
-        self.runner = ModelRunner(
-            self.model,
-            max_batch,
-            self.max_seq_len,
-            self.draft,
-            num_draft_tokens,
-            compile,
-            pdl,
-            _kv_dtype(kv_cache_dtype),
-        )
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {tensor_parallel_size}")
+        if tensor_parallel_size > 1:
+            self.runner = self._start_ranks(
+                tensor_parallel_size,
+                RunnerSpec(str(model_dir), torch_dtype, device, max_batch, self.max_seq_len,
+                           None if draft is None else str(draft), num_draft_tokens, compile, pdl,
+                           _kv_dtype(kv_cache_dtype), quantization),
+            )  # fmt: skip
+            self.model, self.draft = self.runner.model, self.runner.draft
+        else:
+            self.model = load_target(model_dir, torch_dtype, device, quantization)
+            self.draft = None if draft is None else load_draft(draft, self.model, torch_dtype, device)
+            self.runner = ModelRunner(self.model, max_batch, self.max_seq_len, self.draft, num_draft_tokens,
+                                      compile, pdl, _kv_dtype(kv_cache_dtype))  # fmt: skip
+        self.num_draft_tokens = num_draft_tokens if self.draft is not None else 0
         self.warmup_s = 0.0  # compiling and capturing every prefill and step shape, before any request
         if self.runner.needs_warm_up:
             start = time.perf_counter()
             self.runner.warm_up(progress=progress)
             self.warmup_s = time.perf_counter() - start
         self.scheduler = Scheduler(self.runner)
+
+    def _start_ranks(self, size: int, spec: RunnerSpec) -> ParallelRunner:
+        """Worker processes for ranks 1 .. size - 1 (parallel/workers.py), stopped by close() or when this
+        LLM is collected."""
+        sharding.check_divisible(self.config, size)  # before any process starts
+        runner = workers.start(spec, size)
+        weakref.finalize(self, runner.close)
+        return runner
+
+    def close(self) -> None:
+        """Stops the tensor-parallel worker processes (nothing to do on one rank)."""
+        if isinstance(self.runner, ParallelRunner):
+            self.runner.close()
 
     def generate(
         self,

@@ -34,6 +34,14 @@ class TensorParallel:
         gathered = funcol.wait_tensor(funcol.all_gather_tensor(x.movedim(dim, 0).contiguous(), 0, self.group))
         return gathered.movedim(0, dim)
 
+    def from_first_rank(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's x on every rank. The step's tokens go through it: the replicated parts of the model
+        (lm_head, the draft) may round differently on different ranks (a BLAS choosing another kernel),
+        and ranks that emitted different tokens would feed different inputs to the next all-reduce."""
+        if self.size == 1:
+            return x
+        return funcol.wait_tensor(funcol.broadcast(x, 0, self.group))
+
     @classmethod
     def current(cls) -> TensorParallel:
         """The default process group as the tensor-parallel group (one rank when none is initialized)."""

@@ -50,6 +50,7 @@ def serve(args: argparse.Namespace) -> int:
     llm = LLM(
         args.model, dtype=args.dtype, device=args.device, max_batch=slots, max_seq_len=args.max_seq_len,
         draft=args.draft if speculate else None, num_draft_tokens=args.num_draft_tokens, compile=args.compile,
+        tensor_parallel_size=args.tensor_parallel_size,
     )  # fmt: skip
     if llm.warmup_s:
         log.info("warm-up: every prefill and step shape compiled in %.1f s", llm.warmup_s)
@@ -88,12 +89,15 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         http.should_exit = True
         thread.join(timeout=10)
+        llm.close()  # tensor-parallel workers
     log.error("exiting: %s", server.engine.problem() if died else "the HTTP server stopped")
     return 1
 
 
 def add_parser(sub) -> None:
     from pathlib import Path
+
+    from redline.cli import add_tensor_parallel_arg
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("--model", required=True, type=Path)
@@ -108,6 +112,7 @@ def add_parser(sub) -> None:
     )
     s.add_argument("--dtype", default="float32")
     s.add_argument("--device", default="cpu")
+    add_tensor_parallel_arg(s)
     s.add_argument("--compile", action="store_true")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)

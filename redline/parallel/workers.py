@@ -1,0 +1,186 @@
+"""One engine over N processes on this machine: rank 0 (the caller's process) runs the scheduler, and
+ranks 1 .. N - 1 are workers it starts (spawn) that make the same runner calls.
+
+Each call rank 0's scheduler makes (prefill, decode, release, warm_up) first goes to every worker as
+one small message on its own queue, then runs locally; the ranks meet in the step's all-reduces. The
+queues are pipes, so an idle worker waits for the next request without a collective's timeout.
+Workers never tokenize: messages carry token ids and sampling parameters. On CUDA rank r uses cuda:r;
+on CPU the caller's threads are split evenly over the ranks.
+
+Start-up: every worker reports on a status queue once it has joined the process group, and again once
+its shard and runner are built; a worker that fails (out of memory, a missing shard) or dies surfaces
+on rank 0 as an error naming its rank, and the other workers are stopped.
+"""
+
+from __future__ import annotations
+
+import socket
+import traceback
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from multiprocessing.context import SpawnProcess
+from queue import Empty
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from redline.engine.runner import ModelRunner
+from redline.models.build import load_target
+from redline.models.eagle3 import load_draft
+from redline.parallel.group import TensorParallel
+
+JOIN_TIMEOUT = timedelta(minutes=10)  # init_process_group: every rank reaching the rendezvous
+
+
+@dataclass(frozen=True)
+class RunnerSpec:
+    """What every rank builds its runner from (picklable: it travels to the workers)."""
+
+    model_dir: str
+    dtype: torch.dtype
+    device: str
+    max_batch: int
+    max_seq_len: int
+    draft: str | None
+    num_draft_tokens: int
+    compile: bool | None
+    pdl: bool
+    kv_cache_dtype: torch.dtype | None
+    quantization: str | None
+
+    def on_rank(self, rank: int) -> RunnerSpec:
+        return replace(self, device=f"cuda:{rank}") if self.device.startswith("cuda") else self
+
+
+def build_runner(spec: RunnerSpec, tp: TensorParallel) -> ModelRunner:
+    model = load_target(spec.model_dir, spec.dtype, spec.device, spec.quantization, tp=tp)
+    draft = None if spec.draft is None else load_draft(spec.draft, model, spec.dtype, spec.device)
+    return ModelRunner(model, spec.max_batch, spec.max_seq_len, draft, spec.num_draft_tokens, spec.compile,
+                       spec.pdl, spec.kv_cache_dtype)  # fmt: skip
+
+
+def _backend(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def _worker(rank: int, size: int, init: str, spec: RunnerSpec, calls: Any, status: Any, threads: int) -> None:
+    try:
+        torch.set_num_threads(threads)
+        spec = spec.on_rank(rank)
+        if spec.device.startswith("cuda"):
+            torch.cuda.set_device(spec.device)
+        status.put((rank, "joining", None))
+        dist.init_process_group(_backend(spec.device), init_method=init, rank=rank, world_size=size,
+                                timeout=JOIN_TIMEOUT)  # fmt: skip
+        runner = build_runner(spec, TensorParallel.current())
+    except BaseException:
+        status.put((rank, "failed", traceback.format_exc()))
+        return
+    status.put((rank, "ready", None))
+    while True:
+        name, args = calls.get()
+        if name == "stop":
+            break
+        getattr(runner, name)(*args)
+    dist.destroy_process_group()
+
+
+class ParallelRunner:
+    """Rank 0's runner: the scheduler's calls go to every worker, then run here; anything else is read
+    from the local runner."""
+
+    def __init__(self, runner: ModelRunner, workers: list[SpawnProcess], calls: list[Any]):
+        self.runner, self.workers, self.calls = runner, workers, calls
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.runner, name)
+
+    def _send(self, name: str, *args: Any) -> None:
+        for queue in self.calls:
+            queue.put((name, args))
+
+    def prefill(self, *args: Any) -> int:
+        self._send("prefill", *args)
+        return self.runner.prefill(*args)
+
+    def decode(self, rows: int, last_position: int) -> list[list[int]]:
+        self._send("decode", rows, last_position)
+        return self.runner.decode(rows, last_position)
+
+    def release(self, slot: int) -> None:
+        self._send("release", slot)
+        self.runner.release(slot)
+
+    def warm_up(self, progress: bool = True) -> None:
+        self._send("warm_up", False)
+        self.runner.warm_up(progress)
+
+    def close(self) -> None:
+        """Stops the workers and leaves the process group (idempotent)."""
+        if not self.workers:
+            return
+        self._send("stop")
+        for worker in self.workers:
+            worker.join(timeout=30)
+            if worker.is_alive():
+                worker.terminate()
+        self.workers = []
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_workers(status: Any, workers: list[SpawnProcess], stage: str) -> None:
+    """Waits until every worker has reported `stage`; raises naming the first rank that failed or died."""
+    pending = set(range(1, len(workers) + 1))
+    while pending:
+        try:
+            rank, reported, error = status.get(timeout=0.5)
+        except Empty:
+            for rank in sorted(pending):
+                code = workers[rank - 1].exitcode
+                if code is not None:
+                    message = f"tensor-parallel rank {rank} exited with code {code} while starting"
+                    raise RuntimeError(message) from None
+            continue
+        if reported == "failed":
+            raise RuntimeError(f"tensor-parallel rank {rank} failed to start:\n{error}")
+        if reported == stage:
+            pending.discard(rank)
+
+
+def start(spec: RunnerSpec, size: int) -> ParallelRunner:
+    """Starts ranks 1 .. size - 1 and builds rank 0's shard here, joined in one process group."""
+    if spec.device.startswith("cuda") and torch.cuda.device_count() < size:
+        visible = torch.cuda.device_count()
+        raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs; {visible} visible")
+    context = mp.get_context("spawn")
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    threads = max(1, torch.get_num_threads() // size)
+    status = context.Queue()
+    calls = [context.Queue() for _ in range(size - 1)]
+    args = [(r, size, init, spec, calls[r - 1], status, threads) for r in range(1, size)]
+    workers = [context.Process(target=_worker, args=a, daemon=True) for a in args]
+    for worker in workers:
+        worker.start()
+    try:
+        wait_for_workers(status, workers, "joining")
+        torch.set_num_threads(threads)
+        spec = spec.on_rank(0)
+        dist.init_process_group(_backend(spec.device), init_method=init, rank=0, world_size=size,
+                                timeout=JOIN_TIMEOUT)  # fmt: skip
+        runner = build_runner(spec, TensorParallel.current())
+        wait_for_workers(status, workers, "ready")
+    except BaseException:
+        for worker in workers:
+            worker.terminate()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
+    return ParallelRunner(runner, workers, calls)
