@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import build_hf_model, llama3_hf_config, save_hf_model
+from conftest import build_hf_model, llama3_hf_config, llama4_hf_config, save_hf_model
 
 from redline import LLM, SamplingParams
 from redline.config import ConfigError, ModelConfig
@@ -44,6 +44,23 @@ def test_shards_follow_the_heads_and_replicate_kv_heads_when_ranks_outnumber_the
         local_config(config, 3)
 
 
+def test_every_rank_holds_a_block_of_every_experts_width():
+    """Llama 4, expert width 48, dense width 112, N = 2: rank 1 holds gate columns 24-47 and up columns
+    72-95 of gate_up_proj [E, H, 96], rows 24-47 of down_proj [E, 48, H], the same block of the shared
+    expert, and rows 56-111 of a dense layer's MLP."""
+    raw = llama4_hf_config().to_dict()
+    config = ModelConfig.from_dict({**raw, "architectures": ["Llama4ForCausalLM"]})
+    moe, dense, all_ = "model.layers.1.mlp", "model.layers.0.mlp", slice(None)
+    gate_up = shard_of(config, f"{moe}.experts.gate_up_proj", 1, 2)
+    assert gate_up == Shard((all_, all_, slice(24, 48)), also=(all_, all_, slice(72, 96)))
+    assert shard_of(config, f"{moe}.experts.down_proj", 1, 2) == Shard((all_, slice(24, 48)))
+    assert shard_of(config, f"{moe}.shared_expert.up_proj.weight", 1, 2) == Shard((slice(24, 48),))
+    assert shard_of(config, f"{moe}.shared_expert.down_proj.weight", 1, 2) == Shard((all_, slice(24, 48)))
+    assert shard_of(config, f"{dense}.gate_proj.weight", 1, 2) == Shard((slice(56, 112),))
+    assert shard_of(config, f"{moe}.router.weight", 1, 2) is None
+    assert local_config(config, 2).expert_intermediate_size == 24
+
+
 def _rank_logits(rank: int, size: int, init_file: str, model_dir: str, tokens: torch.Tensor, out: str):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
     try:
@@ -57,12 +74,19 @@ def _rank_logits(rank: int, size: int, init_file: str, model_dir: str, tokens: t
 
 
 @pytest.mark.parametrize(
-    ("size", "overrides"),
-    [(2, {"attention_bias": True, "mlp_bias": True}), (4, {})],  # 4 ranks, 2 KV heads: replicated
-    ids=["tp2-biases", "tp4-kv-replicated"],
+    ("size", "config"),
+    [
+        (2, lambda: llama3_hf_config(attention_bias=True, mlp_bias=True)),
+        (4, llama3_hf_config),  # 4 ranks, 2 KV heads: replicated
+        # MoE on layers 1 and 3 (4 experts, width 48, shared expert), chunked attention, a NoPE layer;
+        # 200 tokens take the grouped expert path, the engine test below the few-token one
+        (2, llama4_hf_config),
+        (4, llama4_hf_config),
+    ],
+    ids=["llama3-tp2-biases", "llama3-tp4-kv-replicated", "llama4-tp2", "llama4-tp4"],
 )
-def test_tensor_parallel_logits_equal_one_process(tmp_path, tokenizer_dir, size, overrides):
-    hf = build_hf_model(llama3_hf_config(**overrides), seed=int(torch.randint(0, 2**31, ())))
+def test_tensor_parallel_logits_equal_one_process(tmp_path, tokenizer_dir, size, config):
+    hf = build_hf_model(config(), seed=int(torch.randint(0, 2**31, ())))
     model_dir = save_hf_model(hf, tmp_path / "model", tokenizer_dir)
     tokens = torch.randint(5, 384, (1, 200))
     reference = load_target(model_dir, torch.float32)
@@ -78,10 +102,11 @@ def test_tensor_parallel_logits_equal_one_process(tmp_path, tokenizer_dir, size,
     assert torch.equal(logits[0].argmax(-1), want.argmax(-1))
 
 
-def test_an_engine_over_two_processes_generates_what_one_does(tmp_path, tokenizer_dir):
+@pytest.mark.parametrize("config", [llama3_hf_config, llama4_hf_config], ids=["llama3", "llama4"])
+def test_an_engine_over_two_processes_generates_what_one_does(tmp_path, tokenizer_dir, config):
     """LLM(tensor_parallel_size=2) with an EAGLE-3 draft at K = 3, fp32: greedy and seeded sampled
     completions of two prompts at once equal the one-process engine's token for token."""
-    hf = build_hf_model(llama3_hf_config(), seed=int(torch.randint(0, 2**31, ())))
+    hf = build_hf_model(config(), seed=int(torch.randint(0, 2**31, ())))
     target = save_hf_model(hf, tmp_path / "t", tokenizer_dir)
     draft = write_random_draft(target, tmp_path / "d")
     prompts = [torch.randint(5, 384, (n,)).tolist() for n in (40, 9)]

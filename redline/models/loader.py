@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from tqdm import tqdm
@@ -159,7 +159,7 @@ def _rank_shape(shape: tuple[int, ...], shard: Shard | None, where: str) -> tupl
         return shape
     if len(shard.index) > len(shape):
         raise CheckpointError(f"{where} has shape {list(shape)}: too few dimensions to split over ranks")
-    return tuple(torch.empty(shape, device="meta")[shard.index].shape)
+    return tuple(_take(torch.empty(shape, device="meta").__getitem__, shard).shape)
 
 
 def _check_headers(
@@ -277,10 +277,18 @@ def load_weights(
     return set(sources)
 
 
-def _read_shard(file, key: str, shard: Shard) -> torch.Tensor:
+def _take(read: Callable[[tuple[slice, ...]], torch.Tensor], shard: Shard) -> torch.Tensor:
+    """read(shard.index), joined along the last dimension with read(shard.also) when there is one."""
+    if shard.also is None:
+        return read(shard.index)
+    return torch.cat((read(shard.index), read(shard.also)), dim=-1)
+
+
+def _read_shard(file: Any, key: str, shard: Shard) -> torch.Tensor:
+    """This rank's shard of tensor `key` of an open file, reading only its bytes."""
     if shard.zeroed:
         return torch.zeros(file.shape(key), dtype=file.dtype(key))
-    return file.read_slice(key, shard.index)
+    return _take(lambda index: file.read_slice(key, index), shard)
 
 
 def _load_one(

@@ -2,7 +2,10 @@
 
 Column-parallel (each rank holds a block of output rows): q_proj, k_proj, v_proj, gate_proj, up_proj.
 Row-parallel (a block of input columns; the ranks' partial outputs are summed by one all-reduce after
-attention and one after the MLP): o_proj, down_proj. Replicated: norms, embeddings, lm_head.
+attention and one after the MLP): o_proj, down_proj. Replicated: norms, embeddings, lm_head, the MoE
+router. Llama 4 experts are tensor-parallel the same way: every rank holds a block of every expert's
+intermediate dimension (gate and up columns of the fused gate_up_proj [E, H, 2I], rows of down_proj
+[E, I, H]), as is the shared expert; routed and shared outputs are summed by the MLP's all-reduce.
 
 Attention heads split with their projections: rank r holds query heads [r H/N, (r + 1) H/N). Key/value
 heads split the same way when N divides their count; with fewer KV heads than ranks (N a multiple of
@@ -21,15 +24,19 @@ from redline.config import ConfigError, ModelConfig
 
 COLUMN = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
 ROW = re.compile(r"\.(o_proj|down_proj)\.(weight|bias)$")
+EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
 
 
 @dataclass(frozen=True)
 class Shard:
     """The part of a checkpoint tensor a rank loads: tensor[index], or zeros of its shape when `zeroed`
-    (a row-parallel bias lives on rank 0 only, so the all-reduce adds it once)."""
+    (a row-parallel bias lives on rank 0 only, so the all-reduce adds it once), or, with `also`, the
+    concatenation along the last dimension of tensor[index] and tensor[also] (the gate and the up
+    columns of a fused gate_up_proj)."""
 
     index: tuple[slice, ...]
     zeroed: bool = False
+    also: tuple[slice, ...] | None = None
 
 
 def check_divisible(config: ModelConfig, size: int) -> None:
@@ -42,8 +49,8 @@ def check_divisible(config: ModelConfig, size: int) -> None:
         problems.append(f"{kv} key/value heads (need a multiple or a divisor of the ranks)")
     if config.intermediate_size % size:
         problems.append(f"an MLP width of {config.intermediate_size}")
-    if config.num_experts:
-        problems.append("experts (Llama 4 MoE is not tensor-parallel yet)")
+    if config.expert_intermediate_size % size:
+        problems.append(f"an expert width of {config.expert_intermediate_size}")
     if problems:
         raise ConfigError(f"cannot split the model over {size} tensor-parallel ranks: {', '.join(problems)}")
 
@@ -56,6 +63,7 @@ def local_config(config: ModelConfig, size: int) -> ModelConfig:
         num_heads=config.num_heads // size,
         num_kv_heads=max(1, config.num_kv_heads // size),
         intermediate_size=config.intermediate_size // size,
+        expert_intermediate_size=config.expert_intermediate_size // size,
     )
 
 
@@ -63,20 +71,31 @@ def shard_of(config: ModelConfig, module_key: str, rank: int, size: int) -> Shar
     """What `rank` loads of the full tensor behind module_key; None: the whole tensor (replicated)."""
     if size == 1:
         return None
+    expert_width = config.expert_intermediate_size  # routed and shared experts
+    mlp_width = expert_width if ".shared_expert." in module_key else config.intermediate_size
+    if m := EXPERTS.search(module_key):
+        block = expert_width // size
+        mine = slice(rank * block, (rank + 1) * block)
+        if m.group(1) == "down_proj":  # [E, I, H]: rows of I
+            return Shard((slice(None), mine))
+        up = slice(expert_width + mine.start, expert_width + mine.stop)  # [E, H, 2I]: gate | up columns
+        return Shard((slice(None), slice(None), mine), also=(slice(None), slice(None), up))
     if m := COLUMN.search(module_key):
-        start, stop = _output_rows(config, m.group(1), rank, size)
+        start, stop = _output_rows(config, m.group(1), mlp_width, rank, size)
         return Shard((slice(start, stop),))
     if m := ROW.search(module_key):
         if m.group(2) == "bias":
             return Shard((), zeroed=rank != 0)
-        width = config.num_heads * config.head_dim if m.group(1) == "o_proj" else config.intermediate_size
+        width = config.num_heads * config.head_dim if m.group(1) == "o_proj" else mlp_width
         block = width // size
         return Shard((slice(None), slice(rank * block, (rank + 1) * block)))
     return None
 
 
-def _output_rows(config: ModelConfig, projection: str, rank: int, size: int) -> tuple[int, int]:
-    """[start, stop) of the rows of a column-parallel projection that `rank` holds."""
+def _output_rows(
+    config: ModelConfig, projection: str, mlp_width: int, rank: int, size: int
+) -> tuple[int, int]:
+    """(start, stop) of the rows of a column-parallel projection that `rank` holds."""
     d = config.head_dim
     if projection == "q_proj":
         heads = config.num_heads // size
@@ -86,5 +105,5 @@ def _output_rows(config: ModelConfig, projection: str, rank: int, size: int) -> 
         first = rank * kv // size  # kv >= size: kv / size heads from here; else the one head shared
         heads = max(1, kv // size)
         return first * d, (first + heads) * d
-    block = config.intermediate_size // size
+    block = mlp_width // size
     return rank * block, (rank + 1) * block
