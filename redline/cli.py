@@ -109,7 +109,24 @@ def cmd_info(args: argparse.Namespace) -> int:
         attn = ("chunked" if c.is_chunked_layer(i) else "rope") if c.is_rope_layer(i) else "nope"
         pattern.append(f"{attn}+{'moe' if i in c.moe_layers else 'dense'}")
     print("layers: " + " ".join(f"{i}:{p}" for i, p in enumerate(pattern)))
+    if args.tensor_parallel_size > 1:
+        print(_per_rank(c, args.tensor_parallel_size))
     return 0
+
+
+def _per_rank(config: ModelConfig, size: int) -> str:
+    """What each of `size` tensor-parallel ranks holds (every rank's shard has the same shapes)."""
+    import torch
+
+    from redline.models.llama import LlamaForCausalLM
+    from redline.parallel.group import TensorParallel
+    from redline.parallel.sharding import local_config
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(local_config(config, size), TensorParallel(0, size))
+    model.tie_weights()
+    params = sum(p.numel() for p in model.parameters())
+    return f"tensor parallel {size}: {params:,} parameters per rank ({params * 2 / 1e9:.2f} GB in bf16)"
 
 
 def cmd_init_random(args: argparse.Namespace) -> int:
@@ -379,6 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="print the architecture, sizes and layer pattern")
     i.add_argument("--model", required=True, type=Path)
+    add_tensor_parallel_arg(i)
     i.set_defaults(func=cmd_info)
 
     r = sub.add_parser("init-random", help="write a random tiny checkpoint (for smoke tests)")

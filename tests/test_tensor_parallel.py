@@ -4,6 +4,7 @@ shard of the checkpoint, gives the one-process logits at every position."""
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -13,18 +14,21 @@ import torch.multiprocessing as mp
 from conftest import build_hf_model, llama3_hf_config, llama4_hf_config, save_hf_model
 
 from redline import LLM, SamplingParams
+from redline.cli import main
 from redline.config import ConfigError, ModelConfig
+from redline.engine.failures import GenerationError
 from redline.models.build import load_target
 from redline.models.random_init import write_random_draft
 from redline.parallel.group import TensorParallel
 from redline.parallel.sharding import Shard, local_config, shard_of
 from redline.parallel.workers import wait_for_workers
+from redline.server.engine_loop import EngineLoop
 
 
 def test_shards_follow_the_heads_and_replicate_kv_heads_when_ranks_outnumber_them():
     """8 query heads, 2 KV heads of 16 dims, MLP width 96, N = 4: rank 2 holds query heads 4-5 (rows
     64-95), KV head 1 (rows 16-31, shared with rank 3), MLP rows 48-71 and the matching columns of o_proj
-    and down_proj; row-parallel biases live on rank 0."""
+    and down_proj; row-parallel biases live on rank 0; embeddings and lm_head split by vocabulary."""
     raw = llama3_hf_config(num_attention_heads=8, num_key_value_heads=2, head_dim=16, intermediate_size=96)
     config = ModelConfig.from_dict({**raw.to_dict(), "architectures": ["LlamaForCausalLM"]})
     layer = "model.layers.1"
@@ -36,8 +40,11 @@ def test_shards_follow_the_heads_and_replicate_kv_heads_when_ranks_outnumber_the
     assert shard_of(config, f"{layer}.mlp.down_proj.weight", 2, 4) == Shard((slice(None), slice(48, 72)))
     assert shard_of(config, f"{layer}.mlp.down_proj.bias", 0, 4) == Shard(())
     assert shard_of(config, f"{layer}.mlp.down_proj.bias", 1, 4) == Shard((), zeroed=True)
-    for replicated in ("model.embed_tokens.weight", "lm_head.weight", f"{layer}.input_layernorm.weight"):
-        assert shard_of(config, replicated, 1, 4) is None
+    assert shard_of(config, f"{layer}.input_layernorm.weight", 1, 4) is None  # replicated
+    # vocabulary 384 in blocks of 96; 390 in blocks of 98, the last holding ids 294-389 and 2 zero rows
+    assert shard_of(config, "model.embed_tokens.weight", 1, 4) == Shard((slice(96, 192),), rows=96)
+    odd = ModelConfig.from_dict({**raw.to_dict(), "vocab_size": 390, "architectures": ["LlamaForCausalLM"]})
+    assert shard_of(odd, "lm_head.weight", 3, 4) == Shard((slice(294, 390),), rows=98)
     local = local_config(config, 4)
     assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (2, 1, 24)
     with pytest.raises(ConfigError, match="3 tensor-parallel ranks: 8 attention heads, 2 key/value heads"):
@@ -77,7 +84,8 @@ def _rank_logits(rank: int, size: int, init_file: str, model_dir: str, tokens: t
     ("size", "config"),
     [
         (2, lambda: llama3_hf_config(attention_bias=True, mlp_bias=True)),
-        (4, llama3_hf_config),  # 4 ranks, 2 KV heads: replicated
+        (4, lambda: llama3_hf_config(vocab_size=390, tie_word_embeddings=True)),  # 2 KV heads replicated,
+        # tied vocabulary blocks of 98 with 2 zero rows on rank 3
         # MoE on layers 1 and 3 (4 experts, width 48, shared expert), chunked attention, a NoPE layer;
         # 200 tokens take the grouped expert path, the engine test below the few-token one
         (2, llama4_hf_config),
@@ -160,3 +168,30 @@ def test_the_compiled_step_traces_the_collectives_on_every_rank(tmp_path, tokeni
         assert [c.token_ids for c in llm.generate(prompts, params)] == want
     finally:
         llm.close()
+
+
+def test_a_worker_that_dies_fails_the_requests_and_ends_the_serving_loop(tmp_path, tokenizer_dir):
+    """Worker killed after start-up: the next request fails naming the rank (the engine counts it as a
+    lost device), and the server's engine loop ends (False: `redline serve` then exits non-zero)."""
+    target = save_hf_model(build_hf_model(llama3_hf_config(), seed=2), tmp_path / "t", tokenizer_dir)
+    llm = LLM(target, tensor_parallel_size=2, dtype="float32", max_batch=2, max_seq_len=64, progress=False)
+    worker = llm.runner.workers[0]
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join()
+    try:
+        with pytest.raises(GenerationError, match=r"tensor-parallel rank 1 \(exit code -9\) died"):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
+        loop = EngineLoop(llm, max_queue=4)
+        assert loop.run() is False
+        assert "rank 1 (exit code -9) died" in loop.problem()
+    finally:
+        llm.close()
+
+
+def test_info_prints_what_each_rank_holds(tmp_path, tokenizer_dir, capsys):
+    """Hidden 64, 3 layers, 4 heads of 16, 2 KV heads, MLP 112, vocabulary 384, untied, N = 2: embedding
+    and lm_head 192 x 64 each; per layer q, o 64 x 32, k, v 64 x 16, MLP 3 x 64 x 56, two norms of 64;
+    the final norm: 2 x 12,288 + 3 x 17,024 + 64 = 75,712."""
+    target = save_hf_model(build_hf_model(llama3_hf_config(), seed=1), tmp_path / "t", tokenizer_dir)
+    assert main(["info", "--model", str(target), "--tp", "2"]) == 0
+    assert "tensor parallel 2: 75,712 parameters per rank" in capsys.readouterr().out

@@ -27,9 +27,16 @@ DEVICE_UNUSABLE_MARKERS = (
 )
 
 
+class RankLostError(RuntimeError):
+    """A tensor-parallel worker process died: the group can run nothing more (parallel/workers.py)."""
+
+
 def device_unusable(error: BaseException) -> bool:
-    """True for errors after which the device cannot run anything more. Running out of memory is not one
-    of them (torch.OutOfMemoryError, or a CUDA error saying "out of memory": freeing memory recovers)."""
+    """True for errors after which the device cannot run anything more (or, with tensor parallelism,
+    a rank is lost). Running out of memory is not one of them (torch.OutOfMemoryError, or a CUDA error
+    saying "out of memory": freeing memory recovers)."""
+    if isinstance(error, RankLostError):
+        return True
     if isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error):
         return False
     if isinstance(error, torch.AcceleratorError):

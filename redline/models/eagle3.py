@@ -181,6 +181,8 @@ def load_draft(
     optional = ["d2t", "t2d", "lm_head.weight"]
     load_weights(draft, draft_dir, dtype=dtype, device=device, rename=_rename_draft_key, optional=optional)
     if not own_head:
+        if target.tp.size > 1:
+            raise ValueError(f"{draft_dir}: a draft without its own lm_head cannot run tensor-parallel yet")
         draft.lm_head.weight = target.lm_head.weight
     for name in ("d2t", "t2d"):  # absent: identity vocabulary (draft_vocab_size == vocab_size was checked)
         if getattr(draft, name).is_meta:

@@ -19,6 +19,7 @@ from redline.layers.moe import MoE
 from redline.layers.norm import RMSNorm
 from redline.layers.rotary import Rotary
 from redline.parallel.group import SINGLE, TensorParallel
+from redline.parallel.vocab import VocabParallelEmbedding, vocab_block
 
 KVLayer = tuple[torch.Tensor, torch.Tensor]
 
@@ -67,7 +68,7 @@ class Decoder(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel):
         super().__init__()
         self.rotary = Rotary(config.rope, config.head_dim, config.rope_interleaved)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         layers = (DecoderLayer(config, i, self.rotary, tp) for i in range(config.num_layers))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -79,7 +80,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config, self.tp = config, tp
         self.model = Decoder(config, tp)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, vocab_block(config.vocab_size, tp.size), bias=False)
         # EAGLE-3 aux hidden states, by the published configs' convention: id i is the input of layer i
         # (the output of layer i - 1; id num_layers is the last layer's output before the final norm).
         self.aux_layers: tuple[int, ...] = ()
@@ -123,4 +124,7 @@ class LlamaForCausalLM(nn.Module):
         return {m.num_experts // m.top_k for m in self.modules() if isinstance(m, MoE)}
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., vocab] fp32
-        return self.lm_head(hidden).float()
+        if self.tp.size == 1:
+            return self.lm_head(hidden).float()
+        blocks = self.tp.gather_last_dim(self.lm_head(hidden).float())  # every rank's vocabulary block
+        return blocks[..., : self.config.vocab_size]  # without the last block's padding

@@ -278,10 +278,12 @@ def load_weights(
 
 
 def _take(read: Callable[[tuple[slice, ...]], torch.Tensor], shard: Shard) -> torch.Tensor:
-    """read(shard.index), joined along the last dimension with read(shard.also) when there is one."""
-    if shard.also is None:
-        return read(shard.index)
-    return torch.cat((read(shard.index), read(shard.also)), dim=-1)
+    """read(shard.index), joined along the last dimension with read(shard.also) when there is one, and
+    padded with zero rows up to shard.rows."""
+    part = read(shard.index) if shard.also is None else torch.cat((read(shard.index), read(shard.also)), -1)
+    if shard.rows is not None and part.shape[0] < shard.rows:
+        part = torch.cat((part, part.new_zeros(shard.rows - part.shape[0], *part.shape[1:])))
+    return part
 
 
 def _read_shard(file: Any, key: str, shard: Shard) -> torch.Tensor:

@@ -2,10 +2,11 @@
 
 Column-parallel (each rank holds a block of output rows): q_proj, k_proj, v_proj, gate_proj, up_proj.
 Row-parallel (a block of input columns; the ranks' partial outputs are summed by one all-reduce after
-attention and one after the MLP): o_proj, down_proj. Replicated: norms, embeddings, lm_head, the MoE
-router. Llama 4 experts are tensor-parallel the same way: every rank holds a block of every expert's
-intermediate dimension (gate and up columns of the fused gate_up_proj [E, H, 2I], rows of down_proj
-[E, I, H]), as is the shared expert; routed and shared outputs are summed by the MLP's all-reduce.
+attention and one after the MLP): o_proj, down_proj. Vocabulary-parallel (a block of rows, vocab.py):
+embed_tokens, lm_head. Replicated: norms, the MoE router. Llama 4 experts are tensor-parallel the
+same way: every rank holds a block of every expert's intermediate dimension (gate and up columns of
+the fused gate_up_proj [E, H, 2I], rows of down_proj [E, I, H]), as is the shared expert; routed and
+shared outputs are summed by the MLP's all-reduce.
 
 Attention heads split with their projections: rank r holds query heads [r H/N, (r + 1) H/N). Key/value
 heads split the same way when N divides their count; with fewer KV heads than ranks (N a multiple of
@@ -21,6 +22,7 @@ import re
 from dataclasses import dataclass
 
 from redline.config import ConfigError, ModelConfig
+from redline.parallel.vocab import vocab_block
 
 COLUMN = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
 ROW = re.compile(r"\.(o_proj|down_proj)\.(weight|bias)$")
@@ -37,6 +39,7 @@ class Shard:
     index: tuple[slice, ...]
     zeroed: bool = False
     also: tuple[slice, ...] | None = None
+    rows: int | None = None  # zero rows appended up to this many (the last vocabulary block's padding)
 
 
 def check_divisible(config: ModelConfig, size: int) -> None:
@@ -71,6 +74,9 @@ def shard_of(config: ModelConfig, module_key: str, rank: int, size: int) -> Shar
     """What `rank` loads of the full tensor behind module_key; None: the whole tensor (replicated)."""
     if size == 1:
         return None
+    if module_key in ("model.embed_tokens.weight", "lm_head.weight"):
+        block = vocab_block(config.vocab_size, size)
+        return Shard((slice(rank * block, min((rank + 1) * block, config.vocab_size)),), rows=block)
     expert_width = config.expert_intermediate_size  # routed and shared experts
     mlp_width = expert_width if ".shared_expert." in module_key else config.intermediate_size
     if m := EXPERTS.search(module_key):

@@ -9,7 +9,9 @@ on CPU the caller's threads are split evenly over the ranks.
 
 Start-up: every worker reports on a status queue once it has joined the process group, and again once
 its shard and runner are built; a worker that fails (out of memory, a missing shard) or dies surfaces
-on rank 0 as an error naming its rank, and the other workers are stopped.
+on rank 0 as an error naming its rank, and the other workers are stopped. A worker that dies later
+makes every call fail with RankLostError (checked before each call, and after a call that raised: a
+collective with a dead peer fails), which the engine counts as a lost device (engine/failures.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from redline.engine.failures import RankLostError
 from redline.engine.runner import ModelRunner
 from redline.models.build import load_target
 from redline.models.eagle3 import load_draft
@@ -97,31 +100,44 @@ class ParallelRunner:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.runner, name)
 
-    def _send(self, name: str, *args: Any) -> None:
+    def lost(self) -> str | None:
+        """Which worker died, if one did: "rank 1 (exit code -9)"."""
+        for rank, worker in enumerate(self.workers, start=1):
+            if not worker.is_alive():
+                return f"rank {rank} (exit code {worker.exitcode})"
+        return None
+
+    def _call(self, name: str, *args: Any, here: tuple[Any, ...] | None = None) -> Any:
+        """Sends the call to every worker, then makes it here (with `here` for arguments, if given)."""
+        if (dead := self.lost()) is not None:
+            raise RankLostError(f"tensor-parallel {dead} died")
         for queue in self.calls:
             queue.put((name, args))
+        try:
+            return getattr(self.runner, name)(*(args if here is None else here))
+        except Exception as error:
+            if (dead := self.lost()) is not None:
+                raise RankLostError(f"tensor-parallel {dead} died: {error}") from error
+            raise
 
     def prefill(self, *args: Any) -> int:
-        self._send("prefill", *args)
-        return self.runner.prefill(*args)
+        return self._call("prefill", *args)
 
     def decode(self, rows: int, last_position: int) -> list[list[int]]:
-        self._send("decode", rows, last_position)
-        return self.runner.decode(rows, last_position)
+        return self._call("decode", rows, last_position)
 
     def release(self, slot: int) -> None:
-        self._send("release", slot)
-        self.runner.release(slot)
+        self._call("release", slot)
 
     def warm_up(self, progress: bool = True) -> None:
-        self._send("warm_up", False)
-        self.runner.warm_up(progress)
+        self._call("warm_up", False, here=(progress,))  # one progress bar: rank 0's
 
     def close(self) -> None:
         """Stops the workers and leaves the process group (idempotent)."""
         if not self.workers:
             return
-        self._send("stop")
+        for queue in self.calls:
+            queue.put(("stop", ()))
         for worker in self.workers:
             worker.join(timeout=30)
             if worker.is_alive():

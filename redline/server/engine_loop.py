@@ -21,10 +21,11 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from redline.engine.failures import DeviceUnusableError
+from redline.engine.failures import DeviceUnusableError, RankLostError
 from redline.engine.llm import LLM
 from redline.engine.request import Completion, Request
 from redline.engine.scheduler import Events
+from redline.parallel.workers import ParallelRunner
 
 log = logging.getLogger("redline.server")
 
@@ -137,6 +138,8 @@ class EngineLoop:
         self._settle_queue()
         for request, text in events:
             self._deliver(request, text)
+        if isinstance(self.llm.runner, ParallelRunner) and (dead := self.llm.runner.lost()) is not None:
+            raise RankLostError(f"tensor-parallel {dead} died")  # ends the loop: the server exits
         if self._on_step:
             self._on_step(self)
 
