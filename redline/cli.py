@@ -24,6 +24,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
     help = "split the model over N processes on this machine (one GPU each on CUDA)"
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, metavar="N", help=help)
+    help = "with --tp N: each rank holds E / N whole Llama 4 experts instead of a block of every one"
+    p.add_argument("--expert-parallel", action="store_true", help=help)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -49,6 +51,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         kv_cache_dtype=args.kv_cache_dtype,
         max_batch=1,
         tensor_parallel_size=args.tensor_parallel_size,
+        expert_parallel=args.expert_parallel,
     )
     if llm.warmup_s:
         print(
@@ -110,11 +113,11 @@ def cmd_info(args: argparse.Namespace) -> int:
         pattern.append(f"{attn}+{'moe' if i in c.moe_layers else 'dense'}")
     print("layers: " + " ".join(f"{i}:{p}" for i, p in enumerate(pattern)))
     if args.tensor_parallel_size > 1:
-        print(_per_rank(c, args.tensor_parallel_size))
+        print(_per_rank(c, args.tensor_parallel_size, args.expert_parallel))
     return 0
 
 
-def _per_rank(config: ModelConfig, size: int) -> str:
+def _per_rank(config: ModelConfig, size: int, expert_parallel: bool) -> str:
     """What each of `size` tensor-parallel ranks holds (every rank's shard has the same shapes)."""
     import torch
 
@@ -123,7 +126,8 @@ def _per_rank(config: ModelConfig, size: int) -> str:
     from redline.parallel.sharding import local_config
 
     with torch.device("meta"):
-        model = LlamaForCausalLM(local_config(config, size), TensorParallel(0, size))
+        tp = TensorParallel(0, size, expert_parallel=expert_parallel)
+        model = LlamaForCausalLM(local_config(config, size, expert_parallel), tp)
     model.tie_weights()
     params = sum(p.numel() for p in model.parameters())
     return f"tensor parallel {size}: {params:,} parameters per rank ({params * 2 / 1e9:.2f} GB in bf16)"
@@ -241,6 +245,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         hf=not args.no_hf,
         data=args.data,
         gguf_files=gguf_files,
+        tensor_parallel_size=args.tensor_parallel_size,
+        expert_parallel=args.expert_parallel,
     )
     result = {
         "machine": machine.describe(),
@@ -495,6 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompt-len", type=int, default=64)
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--dtype", default="float32")
+    add_tensor_parallel_arg(b)
     b.add_argument(
         "--modes",
         type=lambda text: [m for m in text.split(",") if m],
@@ -557,6 +564,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from redline.engine.failures import DeviceUnusableError, GenerationError  # imports torch: after --help
+    from redline.parallel import torchrun
+
+    if torchrun.is_follower():  # started by torchrun, not rank 0: serve rank 0's calls (parallel/torchrun.py)
+        return torchrun.follow()
 
     try:
         return args.func(args)

@@ -3,8 +3,11 @@ shard of the checkpoint, gives the one-process logits at every position."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -66,13 +69,26 @@ def test_every_rank_holds_a_block_of_every_experts_width():
     assert shard_of(config, f"{dense}.gate_proj.weight", 1, 2) == Shard((slice(56, 112),))
     assert shard_of(config, f"{moe}.router.weight", 1, 2) is None
     assert local_config(config, 2).expert_intermediate_size == 24
+    # expert parallel: rank 1 holds experts 2 and 3 whole; the shared expert stays split
+    assert shard_of(config, f"{moe}.experts.gate_up_proj", 1, 2, expert_parallel=True) == Shard(
+        (slice(2, 4),)
+    )
+    assert shard_of(config, f"{moe}.experts.down_proj", 1, 2, expert_parallel=True) == Shard((slice(2, 4),))
+    assert shard_of(config, f"{moe}.shared_expert.up_proj.weight", 1, 2, expert_parallel=True) == Shard(
+        (slice(24, 48),)
+    )
+    assert local_config(config, 2, expert_parallel=True).expert_intermediate_size == 48
+    with pytest.raises(ConfigError, match="3 tensor-parallel ranks: .*4 experts"):
+        local_config(config, 3, expert_parallel=True)
 
 
-def _rank_logits(rank: int, size: int, init_file: str, model_dir: str, tokens: torch.Tensor, out: str):
+def _rank_logits(
+    rank: int, size: int, ep: bool, init_file: str, model_dir: str, tokens: torch.Tensor, out: str
+):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
     try:
         torch.set_num_threads(1)
-        model = load_target(model_dir, torch.float32, tp=TensorParallel.current())
+        model = load_target(model_dir, torch.float32, tp=TensorParallel.current(expert_parallel=ep))
         with torch.inference_mode():
             hidden, _ = model(tokens, torch.arange(tokens.shape[1])[None])
             torch.save(model.logits(hidden), Path(out) / f"rank{rank}.pt")
@@ -81,26 +97,35 @@ def _rank_logits(rank: int, size: int, init_file: str, model_dir: str, tokens: t
 
 
 @pytest.mark.parametrize(
-    ("size", "config"),
+    ("size", "config", "ep"),
     [
-        (2, lambda: llama3_hf_config(attention_bias=True, mlp_bias=True)),
-        (4, lambda: llama3_hf_config(vocab_size=390, tie_word_embeddings=True)),  # 2 KV heads replicated,
-        # tied vocabulary blocks of 98 with 2 zero rows on rank 3
+        (2, lambda: llama3_hf_config(attention_bias=True, mlp_bias=True), False),
+        (4, lambda: llama3_hf_config(vocab_size=390, tie_word_embeddings=True), False),  # 2 KV heads
+        # replicated, tied vocabulary blocks of 98 with 2 zero rows on rank 3
         # MoE on layers 1 and 3 (4 experts, width 48, shared expert), chunked attention, a NoPE layer;
         # 200 tokens take the grouped expert path, the engine test below the few-token one
-        (2, llama4_hf_config),
-        (4, llama4_hf_config),
+        (2, llama4_hf_config, False),
+        (4, llama4_hf_config, False),
+        (2, llama4_hf_config, True),  # expert parallel: 2 whole experts per rank
+        (4, llama4_hf_config, True),  # 1 expert per rank
     ],
-    ids=["llama3-tp2-biases", "llama3-tp4-kv-replicated", "llama4-tp2", "llama4-tp4"],
+    ids=[
+        "llama3-tp2-biases",
+        "llama3-tp4-kv-replicated",
+        "llama4-tp2",
+        "llama4-tp4",
+        "llama4-ep2",
+        "llama4-ep4",
+    ],
 )
-def test_tensor_parallel_logits_equal_one_process(tmp_path, tokenizer_dir, size, config):
+def test_tensor_parallel_logits_equal_one_process(tmp_path, tokenizer_dir, size, config, ep):
     hf = build_hf_model(config(), seed=int(torch.randint(0, 2**31, ())))
     model_dir = save_hf_model(hf, tmp_path / "model", tokenizer_dir)
     tokens = torch.randint(5, 384, (1, 200))
     reference = load_target(model_dir, torch.float32)
     with torch.inference_mode():
         want = reference.logits(reference(tokens, torch.arange(200)[None])[0])
-    args = (size, str(tmp_path / "init"), str(model_dir), tokens, str(tmp_path))
+    args = (size, ep, str(tmp_path / "init"), str(model_dir), tokens, str(tmp_path))
     mp.start_processes(_rank_logits, args=args, nprocs=size, start_method="spawn")
     logits = [torch.load(tmp_path / f"rank{r}.pt") for r in range(size)]
     for got in logits:
@@ -110,10 +135,15 @@ def test_tensor_parallel_logits_equal_one_process(tmp_path, tokenizer_dir, size,
     assert torch.equal(logits[0].argmax(-1), want.argmax(-1))
 
 
-@pytest.mark.parametrize("config", [llama3_hf_config, llama4_hf_config], ids=["llama3", "llama4"])
-def test_an_engine_over_two_processes_generates_what_one_does(tmp_path, tokenizer_dir, config):
+@pytest.mark.parametrize(
+    ("config", "ep"),
+    [(llama3_hf_config, False), (llama4_hf_config, False), (llama4_hf_config, True)],
+    ids=["llama3", "llama4", "llama4-expert-parallel"],
+)
+def test_an_engine_over_two_processes_generates_what_one_does(tmp_path, tokenizer_dir, config, ep):
     """LLM(tensor_parallel_size=2) with an EAGLE-3 draft at K = 3, fp32: greedy and seeded sampled
-    completions of two prompts at once equal the one-process engine's token for token."""
+    completions of two prompts at once equal the one-process engine's token for token (experts split
+    by width, or whole experts per rank)."""
     hf = build_hf_model(config(), seed=int(torch.randint(0, 2**31, ())))
     target = save_hf_model(hf, tmp_path / "t", tokenizer_dir)
     draft = write_random_draft(target, tmp_path / "d")
@@ -122,7 +152,7 @@ def test_an_engine_over_two_processes_generates_what_one_does(tmp_path, tokenize
               SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.9, seed=11)]  # fmt: skip
     kw = dict(dtype="float32", max_batch=2, max_seq_len=128, draft=draft, num_draft_tokens=3, progress=False)
     want = [c.token_ids for c in LLM(target, **kw).generate(prompts, params)]
-    llm = LLM(target, tensor_parallel_size=2, **kw)
+    llm = LLM(target, tensor_parallel_size=2, expert_parallel=ep, **kw)
     workers = list(llm.runner.workers)
     try:
         assert llm.model.config.num_heads == 2 and llm.model.tp.size == 2  # this process holds rank 0's half
@@ -195,3 +225,33 @@ def test_info_prints_what_each_rank_holds(tmp_path, tokenizer_dir, capsys):
     target = save_hf_model(build_hf_model(llama3_hf_config(), seed=1), tmp_path / "t", tokenizer_dir)
     assert main(["info", "--model", str(target), "--tp", "2"]) == 0
     assert "tensor parallel 2: 75,712 parameters per rank" in capsys.readouterr().out
+
+
+def test_torchrun_ranks_follow_rank_0(tmp_path, tokenizer_dir):
+    """`torchrun --nproc-per-node 2 -m redline generate --tp 2` (how several machines run it): rank 1
+    follows rank 0's calls, the text equals one process's, and both exit cleanly."""
+    target = save_hf_model(build_hf_model(llama3_hf_config(), seed=4), tmp_path / "t", tokenizer_dir)
+    command = ["generate", "--model", str(target), "--prompt", "def main():", "--max-tokens", "20",
+               "--dtype", "float32", "--no-compile"]  # fmt: skip
+    run = lambda *args: subprocess.run(args, capture_output=True, text=True)
+    one = run(sys.executable, "-m", "redline", *command)
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    two = run(torchrun, "--standalone", "--nproc-per-node", "2", "-m", "redline", *command, "--tp", "2")
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
+    assert two.stdout == one.stdout and one.stdout.strip()
+
+
+def test_bench_runs_redline_over_two_processes(tmp_path, tokenizer_dir, capsys):
+    """`redline bench --tp 2`: the redline rows run tensor-parallel (labelled TP=2), speculation stays
+    lossless, and the draft's share of a step (timed on one process's runner) is left out."""
+    target = save_hf_model(build_hf_model(llama3_hf_config(), seed=6), tmp_path / "t", tokenizer_dir)
+    draft = write_random_draft(target, tmp_path / "d")
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--model", str(target), "--draft", str(draft), "--num-draft-tokens", "2", "--no-hf",
+            "--max-tokens", "12", "--prompts", "2", "--prompt-len", "16", "--repeats", "1", "--tp", "2",
+            "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["engine"], r["tensor_parallel_size"]) for r in runs] == [("redline", 2), ("redline+eagle3", 2)]
+    assert all(r["tokens_equal_plain"] and r["draft_share"] is None for r in runs)
+    assert "redline TP=2" in capsys.readouterr().out

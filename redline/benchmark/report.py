@@ -8,6 +8,7 @@ from pathlib import Path
 
 def label(run: dict) -> str:
     name = run["engine"] + (" compiled" if run.get("compiled") else "")
+    name += f" TP={run['tensor_parallel_size']}" if run.get("tensor_parallel_size", 1) > 1 else ""
     return name + (f" K={run['num_draft_tokens']}" if run["num_draft_tokens"] else "")
 
 

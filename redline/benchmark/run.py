@@ -51,6 +51,8 @@ class BenchSettings:
     hf: bool = True
     data: str | None = None  # "sharegpt" | "humaneval": whole prompts from that held-out set (prompts.py)
     gguf_files: tuple[Path, ...] = ()  # llama.cpp runs each of these files
+    tensor_parallel_size: int = 1  # redline over N processes (the roofline stays the whole model's bytes)
+    expert_parallel: bool = False
 
 
 def _summary(engine: str, k: int | None, rates: list[float], ttfts: list[float], warmup_s: float) -> dict:
@@ -99,6 +101,7 @@ def bench_redline(
     llm = LLM(
         model_dir, dtype=s.dtype, max_batch=1, max_seq_len=max(map(len, prompts)) + s.max_tokens + 16,
         draft=draft, num_draft_tokens=k if draft else 3, compile=compiled,
+        tensor_parallel_size=s.tensor_parallel_size, expert_parallel=s.expert_parallel,
     )  # fmt: skip
     params = SamplingParams(max_tokens=s.max_tokens, ignore_eos=True)
     start = time.perf_counter()
@@ -120,7 +123,10 @@ def bench_redline(
             sum(c.decode_steps * (c.acceptance_rates or [0.0] * k)[i] for c in completions) / steps
             for i in range(k)
         ]
-        result["draft_share"] = draft_share(llm, prompts[0])
+        if s.tensor_parallel_size == 1:  # it times the step's parts on this process's runner alone
+            result["draft_share"] = draft_share(llm, prompts[0])
+    result["tensor_parallel_size"] = s.tensor_parallel_size
+    llm.close()
     return result, [c.token_ids for c in completions[-len(prompts) :]]
 
 

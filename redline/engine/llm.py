@@ -17,7 +17,7 @@ from redline.engine.runner import ModelRunner
 from redline.engine.scheduler import Scheduler
 from redline.models.build import load_target
 from redline.models.eagle3 import load_draft
-from redline.parallel import sharding, workers
+from redline.parallel import sharding, torchrun, workers
 from redline.parallel.workers import ParallelRunner, RunnerSpec
 from redline.sampling import SamplingParams
 from redline.tokenizer import Tokenizer
@@ -99,6 +99,7 @@ class LLM:
         kv_cache_dtype: str | None = None,
         progress: bool = True,
         tensor_parallel_size: int = 1,
+        expert_parallel: bool = False,
     ):
         """dtype "fp8" means bfloat16 activations with FP8 weights (quantization="fp8"); pdl launches the
         Triton kernels with programmatic dependent launch (Hopper or newer GPUs); kv_cache_dtype "fp8"
@@ -107,7 +108,8 @@ class LLM:
         prefill; with it (or on CUDA, where every step shape is captured as a CUDA graph) construction
         compiles and captures every shape the engine can meet, with a progress bar unless progress=False;
         `warmup_s` says how long it took. tensor_parallel_size N > 1 splits the model over N processes
-        (parallel/): this one and N - 1 workers it starts, one GPU each on CUDA; close() stops them."""
+        (parallel/): this one and N - 1 workers it starts, one GPU each on CUDA; close() stops them. With
+        expert_parallel each rank holds E / N whole Llama 4 experts instead of a block of every one."""
         model_dir = Path(model)
         if dtype == "fp8":
             dtype, quantization = "bfloat16", "fp8"
@@ -130,12 +132,14 @@ class LLM:
         self.max_seq_len = min(max_seq_len or 4096, self.config.max_position)
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {tensor_parallel_size}")
+        if expert_parallel and tensor_parallel_size == 1:
+            raise ValueError("expert_parallel needs tensor_parallel_size > 1")
         if tensor_parallel_size > 1:
             self.runner = self._start_ranks(
                 tensor_parallel_size,
                 RunnerSpec(str(model_dir), torch_dtype, device, max_batch, self.max_seq_len,
                            None if draft is None else str(draft), num_draft_tokens, compile, pdl,
-                           _kv_dtype(kv_cache_dtype), quantization),
+                           _kv_dtype(kv_cache_dtype), quantization, expert_parallel),
             )  # fmt: skip
             self.model, self.draft = self.runner.model, self.runner.draft
         else:
@@ -152,10 +156,10 @@ class LLM:
         self.scheduler = Scheduler(self.runner)
 
     def _start_ranks(self, size: int, spec: RunnerSpec) -> ParallelRunner:
-        """Worker processes for ranks 1 .. size - 1 (parallel/workers.py), stopped by close() or when this
-        LLM is collected."""
-        sharding.check_divisible(self.config, size)  # before any process starts
-        runner = workers.start(spec, size)
+        """Worker processes for ranks 1 .. size - 1 (parallel/workers.py), or the ranks torchrun started
+        (parallel/torchrun.py), stopped by close() or when this LLM is collected."""
+        sharding.check_divisible(self.config, size, spec.expert_parallel)  # before any process starts
+        runner = torchrun.lead(spec, size) if torchrun.launched() else workers.start(spec, size)
         weakref.finalize(self, runner.close)
         return runner
 

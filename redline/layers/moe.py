@@ -14,6 +14,7 @@ from torch import nn
 from redline.layers.grouped_mm import grouped_mm
 from redline.layers.linear import Linear
 from redline.layers.mlp import MLP
+from redline.parallel.group import SINGLE, TensorParallel
 
 
 class Experts(nn.Module):
@@ -73,12 +74,16 @@ def routed_sorted(
 
 
 class MoE(nn.Module):
-    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int):
+    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, tp: TensorParallel = SINGLE):
+        """inter: this rank's expert width (parallel/sharding.local_config). With tp.expert_parallel this
+        rank holds experts [r E/N, (r + 1) E/N) whole and a 1/N block of the shared expert's width."""
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         self.router = Linear(hidden, num_experts, bias=False)
-        self.experts = Experts(num_experts, hidden, inter)
-        self.shared_expert = MLP(hidden, inter)
+        local = num_experts // tp.size if tp.expert_parallel else num_experts
+        self.first_expert = tp.rank * local if tp.expert_parallel else 0
+        self.experts = Experts(local, hidden, inter)
+        self.shared_expert = MLP(hidden, inter // tp.size if tp.expert_parallel else inter)
         # kernels.select may set a top-1 dispatch kernel for few tokens:
         # (x [N, H], expert [N], weight [N], gate_up [E, H, 2I], down [E, I, H]) -> [N, H]
         self.top1: Callable[..., torch.Tensor] | None = None
@@ -88,6 +93,11 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])  # [N, hidden]
         top_logit, top_expert = torch.topk(self.router(x), self.top_k, dim=-1)  # [N, k]
         weight = torch.sigmoid(top_logit.float()).to(x.dtype)
+        local = self.experts.down_proj.shape[0]
+        if local < self.num_experts:  # expert parallel: choices of other ranks' experts weigh 0 here
+            top_expert = top_expert - self.first_expert  # e.g. 8 experts, rank 1 of 2: 5 -> 1, 2 -> -3
+            weight = weight * ((top_expert >= 0) & (top_expert < local)).to(weight.dtype)
+            top_expert = top_expert.clamp(0, local - 1)  # a zero-weight row through expert 0 gives 0
         n = x.shape[0]
         few_tokens = n * self.top_k <= self.num_experts
         if few_tokens and self.top1 is not None:  # set only when top_k == 1
@@ -99,5 +109,5 @@ class MoE(nn.Module):
             routed = self.experts.forward_selected(routed_in, top_expert.reshape(-1))
             routed = routed.view(n, self.top_k, -1).sum(dim=1)
         else:
-            routed = routed_sorted(x, top_expert, weight, self.experts, self.num_experts)
+            routed = routed_sorted(x, top_expert, weight, self.experts, local)
         return (self.shared_expert(x) + routed).view(shape)

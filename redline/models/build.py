@@ -67,8 +67,10 @@ def load_target(
     if tp.size > 1:
         if quantization is not None or config.raw.get("quantization_config"):
             raise ValueError("tensor parallelism does not support FP8 models yet")
-        shard_of = functools.partial(sharding.shard_of, config, rank=tp.rank, size=tp.size)
-        config = sharding.local_config(config, tp.size)
+        shard_of = functools.partial(
+            sharding.shard_of, config, rank=tp.rank, size=tp.size, expert_parallel=tp.expert_parallel
+        )
+        config = sharding.local_config(config, tp.size, tp.expert_parallel)
     scheme = fp8_scheme(config.raw, str(Path(model_dir) / "config.json"))
     scaled_mm = scaled_mm_available(torch.device(device))
     with torch.device("meta"):

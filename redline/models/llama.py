@@ -34,7 +34,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
         if layer in config.moe_layers:
             self.mlp: nn.Module = MoE(
-                h, config.expert_intermediate_size, config.num_experts, config.num_experts_per_tok
+                h, config.expert_intermediate_size, config.num_experts, config.num_experts_per_tok, tp
             )
         else:
             self.mlp = MLP(h, config.intermediate_size, bias=config.mlp_bias)
@@ -45,13 +45,22 @@ class DecoderLayer(nn.Module):
         self.add_norm = None
 
     def forward(self, x: torch.Tensor, batch: AttentionBatch, cache: KVLayer | None) -> torch.Tensor:
-        attended = self.tp.all_reduce(self.self_attn(self.input_layernorm(x), batch, cache))
-        if self.add_norm is not None:
-            normed, x = self.add_norm(attended, x, self.post_attention_layernorm)
-        else:
-            x = x + attended
-            normed = self.post_attention_layernorm(x)
+        normed, x = self.reduce_add_norm(self.self_attn(self.input_layernorm(x), batch, cache), x)
         return x + self.tp.all_reduce(self.mlp(normed))
+
+    def reduce_add_norm(
+        self,
+        partial: torch.Tensor,  # [B, T, hidden] this rank's part of the attention output
+        residual: torch.Tensor,  # [B, T, hidden]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (normed for the MLP, the new residual)
+        """The boundary after attention as one op: all-reduce, residual add, RMSNorm. Composed today from
+        the all-reduce and the fused add + RMSNorm (kernels.select); a fused multi-GPU kernel can replace
+        it here without touching the rest of the model."""
+        attended = self.tp.all_reduce(partial)
+        if self.add_norm is not None:
+            return self.add_norm(attended, residual, self.post_attention_layernorm)
+        residual = residual + attended
+        return self.post_attention_layernorm(residual), residual
 
 
 @torch.compiler.nested_compile_region

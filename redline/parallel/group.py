@@ -20,6 +20,7 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None  # None: one rank, nothing to reduce
+    expert_parallel: bool = False  # MoE experts: E / N whole experts per rank, not a block of each
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's x (x itself on one rank)."""
@@ -46,11 +47,11 @@ class TensorParallel:
         return funcol.wait_tensor(funcol.broadcast(x, 0, self.group))
 
     @classmethod
-    def current(cls) -> TensorParallel:
+    def current(cls, expert_parallel: bool = False) -> TensorParallel:
         """The default process group as the tensor-parallel group (one rank when none is initialized)."""
         if not dist.is_initialized():
             return cls()
-        return cls(dist.get_rank(), dist.get_world_size(), dist.group.WORLD)
+        return cls(dist.get_rank(), dist.get_world_size(), dist.group.WORLD, expert_parallel)
 
 
 SINGLE = TensorParallel()  # one rank: the default everywhere

@@ -6,7 +6,9 @@ attention and one after the MLP): o_proj, down_proj. Vocabulary-parallel (a bloc
 embed_tokens, lm_head. Replicated: norms, the MoE router. Llama 4 experts are tensor-parallel the
 same way: every rank holds a block of every expert's intermediate dimension (gate and up columns of
 the fused gate_up_proj [E, H, 2I], rows of down_proj [E, I, H]), as is the shared expert; routed and
-shared outputs are summed by the MLP's all-reduce.
+shared outputs are summed by the MLP's all-reduce. With expert parallelism a rank holds E / N whole
+experts instead (the shared expert stays split by width), and a token's choice of another rank's
+expert weighs 0 here (layers/moe.py), so the same all-reduce adds each routed output once.
 
 Attention heads split with their projections: rank r holds query heads [r H/N, (r + 1) H/N). Key/value
 heads split the same way when N divides their count; with fewer KV heads than ranks (N a multiple of
@@ -42,9 +44,13 @@ class Shard:
     rows: int | None = None  # zero rows appended up to this many (the last vocabulary block's padding)
 
 
-def check_divisible(config: ModelConfig, size: int) -> None:
+def check_divisible(config: ModelConfig, size: int, expert_parallel: bool = False) -> None:
     """Raises ConfigError unless the model splits evenly over `size` ranks."""
     problems = []
+    if expert_parallel and not config.num_experts:
+        problems.append("expert parallelism without experts")
+    if expert_parallel and config.num_experts % size:
+        problems.append(f"{config.num_experts} experts")
     if config.num_heads % size:
         problems.append(f"{config.num_heads} attention heads")
     kv = config.num_kv_heads
@@ -58,19 +64,22 @@ def check_divisible(config: ModelConfig, size: int) -> None:
         raise ConfigError(f"cannot split the model over {size} tensor-parallel ranks: {', '.join(problems)}")
 
 
-def local_config(config: ModelConfig, size: int) -> ModelConfig:
-    """The config of one rank's shard: its heads, KV heads and MLP width."""
-    check_divisible(config, size)
+def local_config(config: ModelConfig, size: int, expert_parallel: bool = False) -> ModelConfig:
+    """The config of one rank's shard: its heads, KV heads and MLP widths (the routed experts' whole
+    width under expert parallelism: the MoE splits only its shared expert then)."""
+    check_divisible(config, size, expert_parallel)
     return dataclasses.replace(
         config,
         num_heads=config.num_heads // size,
         num_kv_heads=max(1, config.num_kv_heads // size),
         intermediate_size=config.intermediate_size // size,
-        expert_intermediate_size=config.expert_intermediate_size // size,
+        expert_intermediate_size=config.expert_intermediate_size // (1 if expert_parallel else size),
     )
 
 
-def shard_of(config: ModelConfig, module_key: str, rank: int, size: int) -> Shard | None:
+def shard_of(
+    config: ModelConfig, module_key: str, rank: int, size: int, expert_parallel: bool = False
+) -> Shard | None:
     """What `rank` loads of the full tensor behind module_key; None: the whole tensor (replicated)."""
     if size == 1:
         return None
@@ -79,7 +88,10 @@ def shard_of(config: ModelConfig, module_key: str, rank: int, size: int) -> Shar
         return Shard((slice(rank * block, min((rank + 1) * block, config.vocab_size)),), rows=block)
     expert_width = config.expert_intermediate_size  # routed and shared experts
     mlp_width = expert_width if ".shared_expert." in module_key else config.intermediate_size
-    if m := EXPERTS.search(module_key):
+    if (m := EXPERTS.search(module_key)) and expert_parallel:  # whole experts
+        block = config.num_experts // size
+        return Shard((slice(rank * block, (rank + 1) * block),))
+    if m:
         block = expert_width // size
         mine = slice(rank * block, (rank + 1) * block)
         if m.group(1) == "down_proj":  # [E, I, H]: rows of I

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import socket
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from multiprocessing.context import SpawnProcess
@@ -52,6 +53,7 @@ class RunnerSpec:
     pdl: bool
     kv_cache_dtype: torch.dtype | None
     quantization: str | None
+    expert_parallel: bool = False
 
     def on_rank(self, rank: int) -> RunnerSpec:
         return replace(self, device=f"cuda:{rank}") if self.device.startswith("cuda") else self
@@ -77,25 +79,25 @@ def _worker(rank: int, size: int, init: str, spec: RunnerSpec, calls: Any, statu
         status.put((rank, "joining", None))
         dist.init_process_group(_backend(spec.device), init_method=init, rank=rank, world_size=size,
                                 timeout=JOIN_TIMEOUT)  # fmt: skip
-        runner = build_runner(spec, TensorParallel.current())
+        runner = build_runner(spec, TensorParallel.current(spec.expert_parallel))
     except BaseException:
         status.put((rank, "failed", traceback.format_exc()))
         return
     status.put((rank, "ready", None))
-    while True:
-        name, args = calls.get()
-        if name == "stop":
-            break
-        getattr(runner, name)(*args)
+    serve_calls(runner, calls.get)
     dist.destroy_process_group()
 
 
-class ParallelRunner:
-    """Rank 0's runner: the scheduler's calls go to every worker, then run here; anything else is read
-    from the local runner."""
+Message = tuple[str, tuple[Any, ...]]  # (runner method, its arguments); ("stop", ()) ends a worker
 
-    def __init__(self, runner: ModelRunner, workers: list[SpawnProcess], calls: list[Any]):
-        self.runner, self.workers, self.calls = runner, workers, calls
+
+class ParallelRunner:
+    """Rank 0's runner: the scheduler's calls go to every worker (`send`), then run here; anything else
+    is read from the local runner. `workers`: the processes started here (none under torchrun)."""
+
+    def __init__(self, runner: ModelRunner, send: Callable[[Message], None], workers: list[SpawnProcess]):
+        self.runner, self._send, self.workers = runner, send, workers
+        self.closed = False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.runner, name)
@@ -111,8 +113,7 @@ class ParallelRunner:
         """Sends the call to every worker, then makes it here (with `here` for arguments, if given)."""
         if (dead := self.lost()) is not None:
             raise RankLostError(f"tensor-parallel {dead} died")
-        for queue in self.calls:
-            queue.put((name, args))
+        self._send((name, args))
         try:
             return getattr(self.runner, name)(*(args if here is None else here))
         except Exception as error:
@@ -134,16 +135,25 @@ class ParallelRunner:
 
     def close(self) -> None:
         """Stops the workers and leaves the process group (idempotent)."""
-        if not self.workers:
+        if self.closed:
             return
-        for queue in self.calls:
-            queue.put(("stop", ()))
+        self.closed = True
+        if self.lost() is None:
+            self._send(("stop", ()))
         for worker in self.workers:
             worker.join(timeout=30)
             if worker.is_alive():
                 worker.terminate()
-        self.workers = []
         dist.destroy_process_group()
+
+
+def serve_calls(runner: ModelRunner, receive: Callable[[], Message]) -> None:
+    """A worker's life after start-up: rank 0's calls, in order, until "stop"."""
+    while True:
+        name, args = receive()
+        if name == "stop":
+            return
+        getattr(runner, name)(*args)
 
 
 def _free_port() -> int:
@@ -191,7 +201,7 @@ def start(spec: RunnerSpec, size: int) -> ParallelRunner:
         spec = spec.on_rank(0)
         dist.init_process_group(_backend(spec.device), init_method=init, rank=0, world_size=size,
                                 timeout=JOIN_TIMEOUT)  # fmt: skip
-        runner = build_runner(spec, TensorParallel.current())
+        runner = build_runner(spec, TensorParallel.current(spec.expert_parallel))
         wait_for_workers(status, workers, "ready")
     except BaseException:
         for worker in workers:
@@ -199,4 +209,4 @@ def start(spec: RunnerSpec, size: int) -> ParallelRunner:
         if dist.is_initialized():
             dist.destroy_process_group()
         raise
-    return ParallelRunner(runner, workers, calls)
+    return ParallelRunner(runner, lambda message: [queue.put(message) for queue in calls], workers)

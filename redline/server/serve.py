@@ -50,7 +50,7 @@ def serve(args: argparse.Namespace) -> int:
     llm = LLM(
         args.model, dtype=args.dtype, device=args.device, max_batch=slots, max_seq_len=args.max_seq_len,
         draft=args.draft if speculate else None, num_draft_tokens=args.num_draft_tokens, compile=args.compile,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel,
     )  # fmt: skip
     if llm.warmup_s:
         log.info("warm-up: every prefill and step shape compiled in %.1f s", llm.warmup_s)
