@@ -364,7 +364,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     else:
         tasks, texts = load_tasks(source), data.split_stdlib()[1]
     texts = data.load_texts(args.text) if args.text else texts
-    rows = evaluate(configs, tasks[: args.limit], texts, args.windows, device=args.device)
+    rows = evaluate(configs, tasks[: args.limit], texts, args.windows, device=args.device,
+                    tensor_parallel_size=args.tensor_parallel_size)  # fmt: skip
     print(eval_table(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
@@ -552,6 +553,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--windows", type=int, default=16, help="256-token windows of text for perplexity / KL")
     e.add_argument("--device", default="cpu")
+    add_tensor_parallel_arg(e)
     e.add_argument("--json", type=Path, default=None)
     e.set_defaults(func=cmd_eval)
 

@@ -255,3 +255,20 @@ def test_bench_runs_redline_over_two_processes(tmp_path, tokenizer_dir, capsys):
     assert [(r["engine"], r["tensor_parallel_size"]) for r in runs] == [("redline", 2), ("redline+eagle3", 2)]
     assert all(r["tokens_equal_plain"] and r["draft_share"] is None for r in runs)
     assert "redline TP=2" in capsys.readouterr().out
+
+
+def test_eval_scores_through_every_rank(tmp_path, tokenizer_dir):
+    """`redline eval --tp 2`: perplexity windows and task completions run tensor-parallel and give the
+    one-process numbers (fp32: perplexity within 1e-4 relative, the same completions' scores)."""
+    target = save_hf_model(build_hf_model(llama3_hf_config(), seed=8), tmp_path / "t", tokenizer_dir)
+    tasks = Path(__file__).parent / "data" / "tasks.jsonl"
+    rows = []
+    for tp in ("1", "2"):
+        out = tmp_path / f"eval{tp}.json"
+        argv = ["eval", "--model", str(target), "--data", str(tasks), "--dtype", "fp32", "--windows", "2",
+                "--limit", "3", "--tp", tp, "--json", str(out)]  # fmt: skip
+        assert main(argv) == 0
+        rows.append(json.loads(out.read_text())[0])
+    one, two = rows
+    assert two["perplexity"] == pytest.approx(one["perplexity"], rel=1e-4)
+    assert two["accuracy"] == one["accuracy"]

@@ -222,6 +222,14 @@ class ModelRunner:
             torch.cuda.current_stream().synchronize()
         return host.tolist()
 
+    @torch.inference_mode()
+    def log_probs(self, tokens: list[int]) -> torch.Tensor:  # [T - 1, V] fp32, on the CPU
+        """Log-probabilities of every next token after each prefix of `tokens` (no cache: `redline eval`'s
+        perplexity and KL)."""
+        inputs = torch.tensor([tokens[:-1]], device=self.device)
+        hidden, _ = self.model(inputs, torch.arange(inputs.shape[1], device=self.device)[None])
+        return self.model.logits(hidden)[0].log_softmax(-1).cpu()
+
     def release(self, slot: int) -> None:
         self.state.active[slot] = False
         self.sampling_slots.discard(slot)

@@ -69,14 +69,9 @@ def prompt(tokenizer: Tokenizer, task: Task) -> str | list[int]:
     return tokenizer.encode_chat(list(task.messages)) if task.messages else task.prompt
 
 
-@torch.no_grad()
 def log_probs(llm: LLM, windows: list[torch.Tensor]) -> list[torch.Tensor]:
-    model, out = llm.model, []
-    for window in windows:
-        inputs = window[None, :-1].to(llm.runner.device)
-        hidden, _ = model(inputs, torch.arange(inputs.shape[1], device=inputs.device)[None])
-        out.append(model.logits(hidden)[0].log_softmax(-1).cpu())  # [T, V] fp32
-    return out
+    """[T, V] fp32 per window of T + 1 tokens (through the runner: every tensor-parallel rank joins)."""
+    return [llm.runner.log_probs(window.tolist()) for window in windows]
 
 
 def evaluate(
@@ -86,10 +81,12 @@ def evaluate(
     windows: int = 16,
     window_len: int = 256,
     device: str = "cpu",
+    tensor_parallel_size: int = 1,
 ) -> list[dict]:
     rows, base_lp, base_tokens = [], None, None
     for config in configs:
-        llm = LLM(config.model_dir, dtype=config.dtype, device=device, max_batch=8, draft=config.draft)
+        llm = LLM(config.model_dir, dtype=config.dtype, device=device, max_batch=8, draft=config.draft,
+                  tensor_parallel_size=tensor_parallel_size)  # fmt: skip
         samples = text_windows(llm.tokenizer, texts, window_len, windows)
         lp = log_probs(llm, samples)
         nll = [
@@ -114,6 +111,7 @@ def evaluate(
             correct.setdefault(task.task, []).append(score(task, c.text))
         row["accuracy"] = {name: sum(v) / len(v) for name, v in correct.items()}
         rows.append(row)
+        llm.close()
     return rows
 
 

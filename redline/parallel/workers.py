@@ -1,11 +1,11 @@
 """One engine over N processes on this machine: rank 0 (the caller's process) runs the scheduler, and
 ranks 1 .. N - 1 are workers it starts (spawn) that make the same runner calls.
 
-Each call rank 0's scheduler makes (prefill, decode, release, warm_up) first goes to every worker as
-one small message on its own queue, then runs locally; the ranks meet in the step's all-reduces. The
-queues are pipes, so an idle worker waits for the next request without a collective's timeout.
-Workers never tokenize: messages carry token ids and sampling parameters. On CUDA rank r uses cuda:r;
-on CPU the caller's threads are split evenly over the ranks.
+Each call rank 0's scheduler makes (prefill, decode, release, warm_up; eval's log_probs) first goes
+to every worker as one small message on its own queue, then runs locally; the ranks meet in the
+step's all-reduces. The queues are pipes, so an idle worker waits for the next request without a
+collective's timeout. Workers never tokenize: messages carry token ids and sampling parameters. On
+CUDA rank r uses cuda:r; on CPU the caller's threads are split evenly over the ranks.
 
 Start-up: every worker reports on a status queue once it has joined the process group, and again once
 its shard and runner are built; a worker that fails (out of memory, a missing shard) or dies surfaces
@@ -129,6 +129,9 @@ class ParallelRunner:
 
     def release(self, slot: int) -> None:
         self._call("release", slot)
+
+    def log_probs(self, tokens: list[int]) -> torch.Tensor:
+        return self._call("log_probs", tokens)
 
     def warm_up(self, progress: bool = True) -> None:
         self._call("warm_up", False, here=(progress,))  # one progress bar: rank 0's
