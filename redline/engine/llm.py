@@ -13,11 +13,9 @@ import torch
 from redline.config import ModelConfig
 from redline.engine.failures import GenerationError
 from redline.engine.request import Completion, Request
-from redline.engine.runner import ModelRunner
 from redline.engine.scheduler import Scheduler
-from redline.models.build import load_target
-from redline.models.eagle3 import load_draft
 from redline.parallel import sharding, torchrun, workers
+from redline.parallel.group import SINGLE
 from redline.parallel.workers import ParallelRunner, RunnerSpec
 from redline.sampling import SamplingParams
 from redline.tokenizer import Tokenizer
@@ -134,19 +132,14 @@ class LLM:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {tensor_parallel_size}")
         if expert_parallel and tensor_parallel_size == 1:
             raise ValueError("expert_parallel needs tensor_parallel_size > 1")
+        spec = RunnerSpec(str(model_dir), torch_dtype, device, max_batch, self.max_seq_len,
+                          None if draft is None else str(draft), num_draft_tokens, compile, pdl,
+                          _kv_dtype(kv_cache_dtype), quantization, expert_parallel)  # fmt: skip
         if tensor_parallel_size > 1:
-            self.runner = self._start_ranks(
-                tensor_parallel_size,
-                RunnerSpec(str(model_dir), torch_dtype, device, max_batch, self.max_seq_len,
-                           None if draft is None else str(draft), num_draft_tokens, compile, pdl,
-                           _kv_dtype(kv_cache_dtype), quantization, expert_parallel),
-            )  # fmt: skip
-            self.model, self.draft = self.runner.model, self.runner.draft
+            self.runner = self._start_ranks(tensor_parallel_size, spec)
         else:
-            self.model = load_target(model_dir, torch_dtype, device, quantization)
-            self.draft = None if draft is None else load_draft(draft, self.model, torch_dtype, device)
-            self.runner = ModelRunner(self.model, max_batch, self.max_seq_len, self.draft, num_draft_tokens,
-                                      compile, pdl, _kv_dtype(kv_cache_dtype))  # fmt: skip
+            self.runner = workers.build_runner(spec, SINGLE)
+        self.model, self.draft = self.runner.model, self.runner.draft
         self.num_draft_tokens = num_draft_tokens if self.draft is not None else 0
         self.warmup_s = 0.0  # compiling and capturing every prefill and step shape, before any request
         if self.runner.needs_warm_up:

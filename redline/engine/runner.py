@@ -198,11 +198,10 @@ class ModelRunner:
                 row,
                 not params.greedy,
             )
-            pending = torch.cat((first, drafts), dim=1)
+            pending = self.model.tp.from_first_rank(torch.cat((first, drafts), dim=1))  # [1, K + 1]: rank 0's
+            first = pending[:, :1]
             if probs is not None:
                 self.state.draft_probs[slot] = probs[0]
-        pending = self.model.tp.from_first_rank(pending)  # [1, K + 1]: rank 0's tokens on every rank
-        first = pending[:, :1]
         self.state.pending[slot] = pending[0]
         self.state.pos[slot] = n
         self.state.active[slot] = True

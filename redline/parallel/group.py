@@ -39,9 +39,10 @@ class TensorParallel:
         return self.all_reduce(placed)
 
     def from_first_rank(self, x: torch.Tensor) -> torch.Tensor:
-        """Rank 0's x on every rank. The step's tokens go through it: the replicated parts of the model
-        (lm_head, the draft) may round differently on different ranks (a BLAS choosing another kernel),
-        and ranks that emitted different tokens would feed different inputs to the next all-reduce."""
+        """Rank 0's x on every rank. A step with an EAGLE-3 draft sends its tokens through it: the draft
+        is replicated and may round differently on different ranks (a BLAS choosing another kernel),
+        and ranks that proposed different tokens would feed different inputs to the next all-reduce.
+        (Without a draft every rank already holds the same all-reduced logits, hence the same tokens.)"""
         if self.size == 1:
             return x
         return funcol.wait_tensor(funcol.broadcast(x, 0, self.group))

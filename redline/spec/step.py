@@ -107,7 +107,7 @@ class DecodeStep:
             new_pending = torch.cat((bonus, drafts), dim=1)
             if probs is not None and st.draft_probs is not None:
                 st.draft_probs[:rows] = probs
-        if self.target.tp.size > 1:  # rank 0's decisions on every rank (parallel/group.py)
+        if self.draft is not None and self.target.tp.size > 1:  # rank 0's decisions (parallel/group.py)
             decided = self.target.tp.from_first_rank(torch.cat((emitted, n_acc[:, None], new_pending), dim=1))
             emitted, n_acc, new_pending = decided.split([emitted.shape[1], 1, new_pending.shape[1]], dim=1)
             n_acc = n_acc[:, 0]  # [B, K + 1 | 1 | K + 1] -> [B]
