@@ -13,6 +13,7 @@ from torch.profiler import profile
 
 from redline.layers.grouped_mm import grouped_mm, grouped_mm_loop, masked_grouped_mm, native_grouped_mm
 from redline.layers.moe import Experts, MoE, routed_sorted, sort_by_expert
+from redline.parallel.group import TensorParallel
 from redline.quant.fp8 import FP8, dequantize
 from redline.quant.fp8_experts import Fp8Experts
 
@@ -209,3 +210,42 @@ def test_compiled_prefill_with_dynamic_tokens_equals_eager(kind):
         # inductor fuses silu * up without the bf16 roundings between them: within the bf16 bound
         assert relative_error(got, want) < BOUND[dtype]
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def expert_parallel_rank(whole: MoE, rank: int, rows: list[int]) -> MoE:
+    """Rank `rank` of 2 of `whole` under expert parallelism (its half of the experts, its half of the
+    shared expert's width); appends the rows its grouped GEMM computes (offs[E - 1]) to `rows`."""
+    e, (i, h), k = whole.num_experts, whole.experts.down_proj.shape[1:], whole.top_k
+    part = MoE(h, i, e, k, TensorParallel(rank, 2, expert_parallel=True))
+    mine, width = slice(rank * e // 2, (rank + 1) * e // 2), slice(rank * i // 2, (rank + 1) * i // 2)
+    shared, whole_shared = part.shared_expert, whole.shared_expert
+    with torch.no_grad():
+        part.router.weight.copy_(whole.router.weight)
+        part.experts.gate_up_proj.copy_(whole.experts.gate_up_proj[mine])
+        part.experts.down_proj.copy_(whole.experts.down_proj[mine])
+        shared.gate_proj.weight.copy_(whole_shared.gate_proj.weight[width])
+        shared.up_proj.weight.copy_(whole_shared.up_proj.weight[width])
+        shared.down_proj.weight.copy_(whole_shared.down_proj.weight[:, width])
+    grouped = part.experts.forward_grouped
+    part.experts.forward_grouped = lambda x, offs: rows.append(offs[-1].item()) or grouped(x, offs)
+    return part
+
+
+@pytest.mark.parametrize("tokens", [300, 2], ids=["grouped", "few-tokens"])
+def test_expert_parallel_ranks_sum_to_the_whole_moe_and_prefill_runs_only_their_pairs(tokens):
+    """8 experts, top 2, over 2 expert-parallel ranks (experts 0-3 and 4-7, the shared expert split by
+    width): the ranks' outputs add up to the one-process MoE (what the MLP's all-reduce computes), and in
+    the grouped (prefill) path each rank's grouped GEMM gets exactly the pairs that chose its experts."""
+    whole = random_moe(8, 32, 24, 2, torch.float32, seed=int(torch.randint(0, 2**31, ())))
+    x = torch.randn(tokens, 32)
+    chosen = torch.topk(whole.router(x), 2, dim=-1).indices
+    total = torch.zeros(tokens, 32)
+    for rank in range(2):
+        rows: list[int] = []
+        with torch.no_grad():
+            total += expert_parallel_rank(whole, rank, rows)(x)
+        if tokens * 2 > 8:
+            assert rows == [((chosen >= rank * 4) & (chosen < rank * 4 + 4)).sum().item()]
+    with torch.no_grad():
+        # fp32, the same products summed in another order (two partial sums per token): a few ulp
+        torch.testing.assert_close(total, whole(x), atol=1e-5, rtol=1e-5)

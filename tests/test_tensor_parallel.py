@@ -11,10 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import build_hf_model, llama3_hf_config, llama4_hf_config, save_hf_model
+from test_checkpoint_layouts import bf16_exact, llama4_fp8_checkpoints, static_fp8  # noqa: F401 (fixture)
 
 from redline import LLM, SamplingParams
 from redline.cli import main
@@ -23,9 +25,12 @@ from redline.engine.failures import GenerationError
 from redline.models.build import load_target
 from redline.models.gguf import gguf_model_dir, smollm2_gguf
 from redline.models.random_init import write_random_draft
+from redline.models.tensor_files import SafetensorsFile
 from redline.parallel.group import TensorParallel
 from redline.parallel.sharding import Shard, local_config, shard_of
 from redline.parallel.workers import wait_for_workers
+from redline.quant.checkpoint import quantize_checkpoint
+from redline.quant.fp8 import FP8
 from redline.server.engine_loop import EngineLoop
 
 
@@ -84,15 +89,24 @@ def test_every_rank_holds_a_block_of_every_experts_width():
 
 
 def _rank_logits(
-    rank: int, size: int, ep: bool, init_file: str, model_dir: str, tokens: torch.Tensor, out: str
+    rank: int,
+    size: int,
+    ep: bool,
+    init_file: str,
+    model_dir: str,
+    tokens: torch.Tensor,
+    out: str,
+    quantization: str | None = None,
 ):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
     try:
         torch.set_num_threads(1)
-        model = load_target(model_dir, torch.float32, tp=TensorParallel.current(expert_parallel=ep))
+        tp = TensorParallel.current(expert_parallel=ep)
+        model = load_target(model_dir, torch.float32, quantization=quantization, tp=tp)
         with torch.inference_mode():
             hidden, _ = model(tokens, torch.arange(tokens.shape[1])[None])
             torch.save(model.logits(hidden), Path(out) / f"rank{rank}.pt")
+            torch.save(model.greedy_tokens(hidden), Path(out) / f"greedy{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -134,6 +148,103 @@ def test_tensor_parallel_logits_equal_one_process(tmp_path, tokenizer_dir, size,
     # fp32 sums split over ranks and added in another order: a few ulp per layer over 3 layers
     torch.testing.assert_close(logits[0], want, atol=1e-4, rtol=1e-4)
     assert torch.equal(logits[0].argmax(-1), want.argmax(-1))
+    for rank in range(size):  # the argmax from one (value, id) pair per rank, padding rows left out
+        assert torch.equal(torch.load(tmp_path / f"greedy{rank}.pt"), want.argmax(-1))
+
+
+def _fp8_checkpoint(kind: str, tmp_path: Path, tokenizer_dir: Path, request) -> Path:
+    if kind == "llama3-fp8-channel":  # what `redline quantize` writes (compressed-tensors, [N, 1] scales)
+        src = save_hf_model(build_hf_model(llama3_hf_config(), seed=3), tmp_path / "src", tokenizer_dir)
+        quantize_checkpoint(src, tmp_path / "fp8")
+        return tmp_path / "fp8"
+    if kind == "llama3-fp8-tensor":  # the "-FP8" releases: one weight and one input scale per linear
+        return request.getfixturevalue("static_fp8")[0]
+    # Llama 4 FP8-dynamic: experts fused (gate_up_proj_scale [E, 1, 2I], down_proj_scale [E, H, 1]) or
+    # one nn.Linear per expert and projection, as llm-compressor writes the releases
+    hf = bf16_exact(build_hf_model(llama4_hf_config(), seed=int(torch.randint(0, 2**31, ()))))
+    fused, per_expert, _ = llama4_fp8_checkpoints(hf, tmp_path)
+    return fused if kind == "llama4-fp8-fused" else per_expert
+
+
+@pytest.mark.parametrize(
+    ("kind", "ep"),
+    [
+        ("llama3-fp8-channel", False),
+        ("llama3-fp8-tensor", False),
+        ("llama4-fp8-fused", False),
+        ("llama4-fp8-per-expert", False),
+        ("llama4-fp8-per-expert", True),
+    ],
+    ids=["llama3-fp8-channel", "llama3-fp8-tensor", "llama4-fp8-fused", "llama4-fp8-per-expert", "llama4-ep"],
+)
+def test_fp8_and_per_expert_checkpoints_split_like_one_process(tmp_path, tokenizer_dir, request, kind, ep):
+    """FP8 checkpoints over 2 ranks: per-channel scales split with their rows (column-parallel) and stay
+    whole where the rows are whole (row-parallel, down_proj_scale), a per-tensor scale is read whole by
+    every rank, and per-expert tensors fill each rank's block of every expert (or its whole experts).
+    Logits equal one process's FP8 model (fp32 products of the same dequantized weights)."""
+    model_dir = _fp8_checkpoint(kind, tmp_path, tokenizer_dir, request)
+    vocab = ModelConfig.from_dir(model_dir).vocab_size
+    tokens = torch.randint(5, vocab, (1, 64))
+    reference = load_target(model_dir, torch.float32)
+    assert any(p.dtype == FP8 for p in reference.parameters())
+    with torch.inference_mode():
+        want = reference.logits(reference(tokens, torch.arange(64)[None])[0])
+    args = (2, ep, str(tmp_path / "init"), str(model_dir), tokens, str(tmp_path))
+    mp.start_processes(_rank_logits, args=args, nprocs=2, start_method="spawn")
+    for rank in range(2):
+        torch.testing.assert_close(torch.load(tmp_path / f"rank{rank}.pt"), want, atol=1e-4, rtol=1e-4)
+
+
+def _bytes_read(model_dir: Path, rank: int, monkeypatch) -> tuple[list[str], int]:
+    """Loads rank `rank` of 2; returns the keys read whole and the bytes read through slices."""
+    whole, sliced = [], []
+    read, read_slice = SafetensorsFile.read, SafetensorsFile.read_slice
+    monkeypatch.setattr(SafetensorsFile, "read", lambda f, k: whole.append(k) or read(f, k))
+    monkeypatch.setattr(
+        SafetensorsFile, "read_slice", lambda f, k, i: sliced.append(t := read_slice(f, k, i)) or t
+    )
+    load_target(model_dir, torch.float32, tp=TensorParallel(rank, 2))
+    monkeypatch.undo()
+    return whole, sum(t.nbytes for t in sliced)
+
+
+@pytest.mark.parametrize("config", [llama3_hf_config, llama4_hf_config], ids=["llama3", "llama4"])
+def test_each_rank_reads_only_its_bytes(tmp_path, tokenizer_dir, monkeypatch, config):
+    """Bytes each of 2 ranks reads from the safetensors files, counted: half of every split tensor
+    through slices, the replicated norms and router whole, nothing else. Tiny Llama 3 / Llama 4: the
+    vocabulary of 384 splits evenly (no padding), no biases."""
+    target = save_hf_model(build_hf_model(config(), seed=1), tmp_path / "t", tokenizer_dir)
+    on_disk = {k: t for f in target.glob("*.safetensors") for k, t in safetensors.torch.load_file(f).items()}
+    total = sum(t.nbytes for t in on_disk.values())
+    replicated = sum(t.nbytes for k, t in on_disk.items() if "norm" in k or "router" in k)
+    for rank in range(2):
+        whole, sliced_bytes = _bytes_read(target, rank, monkeypatch)
+        assert whole and all("norm" in k or "router" in k for k in whole)
+        assert sum(on_disk[k].nbytes for k in whole) + sliced_bytes == (total - replicated) // 2 + replicated
+
+
+def test_quantizing_while_loading_splits_too(tmp_path, tokenizer_dir):
+    """quantization="fp8" over 2 ranks quantizes each rank's shard as it loads. A column-parallel rank
+    holds whole rows, so its FP8 weights and scales are one process's rows bit for bit; a row-parallel
+    rank scales each output channel over its own input columns (finer than one process: at most the
+    same error per weight), so the logits differ by FP8 rounding only: KL to the fp32 model below the
+    bound test_fp8.py holds one process to."""
+    target = save_hf_model(build_hf_model(llama3_hf_config(), seed=9), tmp_path / "t", tokenizer_dir)
+    tokens = torch.randint(5, 384, (1, 48))
+    exact = load_target(target, torch.float32)
+    one = load_target(target, torch.float32, quantization="fp8")
+    with torch.inference_mode():
+        want = exact.logits(exact(tokens, torch.arange(48)[None])[0]).log_softmax(-1)
+    args = (2, False, str(tmp_path / "init"), str(target), tokens, str(tmp_path), "fp8")
+    mp.start_processes(_rank_logits, args=args, nprocs=2, start_method="spawn")
+    got = torch.load(tmp_path / "rank0.pt").log_softmax(-1)
+    assert (want.exp() * (want - got)).sum(-1).mean() < 1e-2
+    assert not torch.equal(got, want)  # FP8 did round
+    rank0 = load_target(target, torch.float32, quantization="fp8", tp=TensorParallel(0, 2))
+    q_one, q_rank = one.model.layers[1].self_attn.q_proj, rank0.model.layers[1].self_attn.q_proj
+    rows = q_rank.weight.shape[0]
+    assert torch.equal(q_rank.weight.view(torch.uint8), q_one.weight[:rows].view(torch.uint8))
+    assert torch.equal(q_rank.weight_scale, q_one.weight_scale[:rows])
 
 
 @pytest.mark.parametrize(

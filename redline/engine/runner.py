@@ -179,8 +179,10 @@ class ModelRunner:
             hidden, aux = self.compiled_prefill(tokens, slot)
         else:
             hidden, aux = self.model(tokens, positions, self.cache.layers, slot, kv_len)
-        logits = self.model.logits(hidden[:, -1:])  # [1, 1, V]
-        first = select_tokens(logits, row, positions[:, -1:] + 1, not params.greedy)  # [1, 1]
+        if params.greedy:
+            first = self.model.greedy_tokens(hidden[:, -1:])  # [1, 1]
+        else:
+            first = select_tokens(self.model.logits(hidden[:, -1:]), row, positions[:, -1:] + 1, True)
         pending = first
         if self.draft is not None:
             assert self.draft_cache is not None and self.state.draft_probs is not None

@@ -58,17 +58,23 @@ def routed_sorted(
     weight: torch.Tensor,  # [N, k] routing weights, x's dtype
     experts: nn.Module,  # forward_grouped(x [M, hidden] sorted, offs [E]) -> [M, hidden]
     num_experts: int,
+    elsewhere: bool = False,
 ) -> torch.Tensor:  # [N, hidden]: sum over j of expert top_expert[:, j] applied to weight[:, j] * x
     """Every (token, choice) pair through its expert in one grouped pass; cost proportional to N * k.
 
     Pair p = r * k + j is token r's j-th choice. Example, k = 2, top_expert = [[1, 0], [1, 2]]:
     pairs' experts [1, 0, 1, 2] -> order [1, 0, 2, 3], tokens order // k = [0, 0, 1, 1];
     outputs come back to pair positions through order, then [N, k, hidden] sums over k.
+    With `elsewhere` (expert parallel), a choice of num_experts is another rank's expert: its pairs sort
+    after the last group, are not computed here, and give 0 (their rows past offs[E-1] are zeroed).
     """
     n, k = top_expert.shape
     order, offs = sort_by_expert(top_expert.reshape(-1), num_experts)
     routed_in = x[order // k] * weight.reshape(-1, 1)[order]  # [N * k, hidden], grouped by expert
     out = experts.forward_grouped(routed_in, offs)
+    if elsewhere:  # rows offs[E-1]: were not computed (torch.empty or no group's)
+        computed = torch.arange(out.shape[0], device=out.device) < offs[-1]
+        out = torch.where(computed[:, None], out, 0)
     by_pair = torch.empty_like(out).index_copy_(0, order, out)  # by_pair[order[i]] = out[i]
     return by_pair.view(n, k, -1).sum(dim=1)
 
@@ -76,7 +82,9 @@ def routed_sorted(
 class MoE(nn.Module):
     def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, tp: TensorParallel = SINGLE):
         """inter: this rank's expert width (parallel/sharding.local_config). With tp.expert_parallel this
-        rank holds experts [r E/N, (r + 1) E/N) whole and a 1/N block of the shared expert's width."""
+        rank holds experts [r E/N, (r + 1) E/N) whole and a 1/N block of the shared expert's width; many
+        tokens (prefill) run only the pairs that chose this rank's experts, few tokens (decode, fixed
+        shapes for CUDA graphs) run every row, other ranks' choices at weight 0."""
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         self.router = Linear(hidden, num_experts, bias=False)
@@ -94,20 +102,26 @@ class MoE(nn.Module):
         top_logit, top_expert = torch.topk(self.router(x), self.top_k, dim=-1)  # [N, k]
         weight = torch.sigmoid(top_logit.float()).to(x.dtype)
         local = self.experts.down_proj.shape[0]
-        if local < self.num_experts:  # expert parallel: choices of other ranks' experts weigh 0 here
-            top_expert = top_expert - self.first_expert  # e.g. 8 experts, rank 1 of 2: 5 -> 1, 2 -> -3
-            weight = weight * ((top_expert >= 0) & (top_expert < local)).to(weight.dtype)
-            top_expert = top_expert.clamp(0, local - 1)  # a zero-weight row through expert 0 gives 0
+        elsewhere = local < self.num_experts  # expert parallel: some choices are other ranks' experts
+        if elsewhere:
+            # their choices become `local` (no expert here) and weigh 0; e.g. 8 experts, rank 1 of 2
+            # (experts 4-7): choices [5, 2] -> [1, 4], weights [w, 0]
+            top_expert = top_expert - self.first_expert
+            mine = (top_expert >= 0) & (top_expert < local)
+            weight = weight * mine.to(weight.dtype)
+            top_expert = torch.where(mine, top_expert, local)
         n = x.shape[0]
         few_tokens = n * self.top_k <= self.num_experts
+        # few rows gather their experts' weights: another rank's choice runs the last one at weight 0
+        selected = top_expert.clamp(max=local - 1) if elsewhere else top_expert
         if few_tokens and self.top1 is not None:  # set only when top_k == 1
             experts = self.experts
-            routed = self.top1(x, top_expert[:, 0], weight[:, 0], experts.gate_up_proj, experts.down_proj)
+            routed = self.top1(x, selected[:, 0], weight[:, 0], experts.gate_up_proj, experts.down_proj)
         elif few_tokens:
             # Few tokens (decode): gather the chosen experts' weights; row r*k + j is token r's j-th choice.
             routed_in = x.repeat_interleave(self.top_k, dim=0) * weight.reshape(-1, 1)
-            routed = self.experts.forward_selected(routed_in, top_expert.reshape(-1))
+            routed = self.experts.forward_selected(routed_in, selected.reshape(-1))
             routed = routed.view(n, self.top_k, -1).sum(dim=1)
         else:
-            routed = routed_sorted(x, top_expert, weight, self.experts, local)
+            routed = routed_sorted(x, top_expert, weight, self.experts, local, elsewhere)
         return (self.shared_expert(x) + routed).view(shape)

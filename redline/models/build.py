@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from redline.config import ModelConfig
-from redline.models.expert_layout import per_expert_part
+from redline.models.expert_layout import per_expert_part, rank_part
 from redline.models.llama import LlamaForCausalLM
 from redline.models.loader import Part, load_weights
 from redline.parallel import sharding
@@ -21,9 +21,10 @@ from redline.quant.scheme import Fp8Scheme, fp8_scheme
 _SKIPPED_PREFIXES = ("vision_model.", "multi_modal_projector.")
 
 
-def checkpoint_key_to_module_key(config: ModelConfig):
+def checkpoint_key_to_module_key(config: ModelConfig, tp: TensorParallel = SINGLE):
     """language_model.model.layers.1.feed_forward.router.weight -> model.layers.1.mlp.router.weight;
-    per-expert Llama 4 keys map to a Part of the fused expert tensors (models/expert_layout.py)."""
+    per-expert Llama 4 keys map to a Part of the fused expert tensors (models/expert_layout.py): rank
+    tp.rank's Part, or None for another rank's expert. config: the whole model's (not a rank's)."""
     prefix = config.weight_prefix
 
     def rename(key: str) -> str | Part | None:
@@ -34,8 +35,9 @@ def checkpoint_key_to_module_key(config: ModelConfig):
                 return key  # reported as unexpected by the loader
             key = key[len(prefix) :]
         key = key.replace(".feed_forward.", ".mlp.")
-        if config.num_experts:
-            return per_expert_part(key, config.expert_intermediate_size) or key
+        inter = config.expert_intermediate_size
+        if config.num_experts and (part := per_expert_part(key, inter)) is not None:
+            return rank_part(part, inter, config.num_experts, tp)
         return key
 
     return rename
@@ -62,11 +64,9 @@ def load_target(
     FP8 checkpoints load as FP8 whatever it says."""
     if quantization not in (None, "fp8"):
         raise ValueError(f"unknown quantization {quantization!r}; choose fp8")
-    config = ModelConfig.from_dir(model_dir)
+    whole = config = ModelConfig.from_dir(model_dir)
     shard_of = None
     if tp.size > 1:
-        if quantization is not None or config.raw.get("quantization_config"):
-            raise ValueError("tensor parallelism does not support FP8 models yet")
         shard_of = functools.partial(
             sharding.shard_of, config, rank=tp.rank, size=tp.size, expert_parallel=tp.expert_parallel
         )
@@ -86,7 +86,7 @@ def load_target(
         model_dir,
         dtype=dtype,
         device=device,
-        rename=checkpoint_key_to_module_key(config),
+        rename=checkpoint_key_to_module_key(whole, tp),
         optional=optional,
         hook=hook,
         shard_of=shard_of,

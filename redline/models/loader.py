@@ -43,6 +43,7 @@ class Part:
     module_key: str
     index: tuple[int | slice, ...]
     transpose: bool = False
+    shard: Shard | None = None  # what a tensor-parallel rank reads of the checkpoint tensor (None: all)
 
 
 Rename = Callable[[str], str | Part | None]  # checkpoint key -> module key, a Part, or None to skip it
@@ -153,6 +154,17 @@ def _plan(
     return {module_key: list(group.values()) for module_key, group in sources.items()}
 
 
+def _source_shard(source: _Source, shard_of: ShardOf | None, on_disk: tuple[int, ...]) -> Shard | None:
+    """What a tensor-parallel rank reads of a checkpoint tensor: a Part's own shard, or shard_of its
+    module key. A scale holding one value (per tensor) is the same on every rank: read whole."""
+    part = source.part
+    if part.module_key.endswith("_scale") and torch.Size(on_disk).numel() == 1:
+        return None
+    if part.index:
+        return part.shard
+    return shard_of(part.module_key) if shard_of else None
+
+
 def _rank_shape(shape: tuple[int, ...], shard: Shard | None, where: str) -> tuple[int, ...]:
     """The shape of what a tensor-parallel rank reads of a tensor of `shape`."""
     if shard is None or shard.zeroed:
@@ -177,12 +189,7 @@ def _check_headers(
                 module_key, part = source.part.module_key, source.part
                 target = _module_tensor(model, module_key)[2]
                 region = tuple(torch.empty(target.shape, device="meta")[part.index].shape)
-                shard = shard_of(module_key) if shard_of else None
-                if shard is not None and part.index:
-                    raise CheckpointError(
-                        f"{path}: {source.key!r} is one part of {module_key!r}: tensor-parallel loading of "
-                        "assembled tensors is not supported"
-                    )
+                shard = _source_shard(source, shard_of, file.shape(source.key))
                 shape = _rank_shape(file.shape(source.key), shard, f"{path}: tensor {source.key!r}")
                 shape = shape[::-1] if part.transpose else shape
                 if not _fits(shape, region, part):
@@ -270,7 +277,7 @@ def load_weights(
         for path, group in by_file.items():
             with open_tensor_file(path) as file:
                 for source in group:
-                    shard = shard_of(source.part.module_key) if shard_of else None
+                    shard = _source_shard(source, shard_of, file.shape(source.key))
                     tensor = file.read(source.key) if shard is None else _read_shard(file, source.key, shard)
                     _load_one(model, tensor, source, dtype, device, hook, sources, remaining)
                     bar.update()

@@ -26,9 +26,10 @@ from dataclasses import dataclass
 from redline.config import ConfigError, ModelConfig
 from redline.parallel.vocab import vocab_block
 
-COLUMN = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
-ROW = re.compile(r"\.(o_proj|down_proj)\.(weight|bias)$")
-EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
+COLUMN = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias|weight_scale)$")
+ROW = re.compile(r"\.(o_proj|down_proj)\.(weight|bias|weight_scale|input_scale)$")
+EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)(_scale)?$")
+VOCAB = ("model.embed_tokens.weight", "lm_head.weight", "lm_head.weight_scale")
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ def shard_of(
     """What `rank` loads of the full tensor behind module_key; None: the whole tensor (replicated)."""
     if size == 1:
         return None
-    if module_key in ("model.embed_tokens.weight", "lm_head.weight"):
+    if module_key in VOCAB:
         block = vocab_block(config.vocab_size, size)
         return Shard((slice(rank * block, min((rank + 1) * block, config.vocab_size)),), rows=block)
     expert_width = config.expert_intermediate_size  # routed and shared experts
@@ -94,9 +95,10 @@ def shard_of(
     if m:
         block = expert_width // size
         mine = slice(rank * block, (rank + 1) * block)
-        if m.group(1) == "down_proj":  # [E, I, H]: rows of I
-            return Shard((slice(None), mine))
-        up = slice(expert_width + mine.start, expert_width + mine.stop)  # [E, H, 2I]: gate | up columns
+        if m.group(1) == "down_proj":  # [E, I, H]: rows of I; its scale [E, H, 1] is per output: whole
+            return None if m.group(2) else Shard((slice(None), mine))
+        # gate_up_proj [E, H, 2I] and gate_up_proj_scale [E, 1, 2I]: gate | up columns
+        up = slice(expert_width + mine.start, expert_width + mine.stop)
         return Shard((slice(None), slice(None), mine), also=(slice(None), slice(None), up))
     if m := COLUMN.search(module_key):
         start, stop = _output_rows(config, m.group(1), mlp_width, rank, size)
@@ -104,6 +106,8 @@ def shard_of(
     if m := ROW.search(module_key):
         if m.group(2) == "bias":
             return Shard((), zeroed=rank != 0)
+        if m.group(2) != "weight":  # FP8 scales: per output channel or per tensor, neither split
+            return None
         width = config.num_heads * config.head_dim if m.group(1) == "o_proj" else mlp_width
         block = width // size
         return Shard((slice(None), slice(rank * block, (rank + 1) * block)))

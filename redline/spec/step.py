@@ -76,17 +76,19 @@ class DecodeStep:
         sampling = self.sampling.rows(0, rows)
         positions = pos[:, None] + torch.arange(k + 1, device=pos.device)  # [B, K + 1]
         hidden, aux = self.target(pending, positions, self.cache.layers, 0, kv_len)
-        logits = self.target.logits(hidden)  # [B, K + 1, V]
-        if self.draft is None:
+        if not any_sampling:  # argmax only: under tensor parallelism, no logits gathered
+            emitted = self.target.greedy_tokens(hidden)  # [B, K + 1]
+            emitted, n_acc = greedy_verify(emitted, pending[:, 1:]) if self.draft else (emitted, None)
+        elif self.draft is None:
+            logits = self.target.logits(hidden)  # [B, 1, V]
             emitted = select_tokens(logits, sampling, positions + 1, any_sampling)  # [B, 1]
-            n_acc = torch.zeros_like(pos)
-        elif any_sampling:
-            p = filtered_probs(logits, sampling)
+        else:
+            p = filtered_probs(self.target.logits(hidden), sampling)  # [B, K + 1, V]
             emitted, n_acc = rejection_verify(
                 p, self._draft_q(rows, pending, sampling), pending[:, 1:], sampling.seed, positions
             )
-        else:
-            emitted, n_acc = greedy_verify(logits, pending[:, 1:])
+        if self.draft is None:
+            n_acc = torch.zeros_like(pos)
         bonus = emitted.gather(1, n_acc[:, None])  # [B, 1] the new pending[:, 0]
         new_pending = bonus
         if self.draft is not None:

@@ -21,14 +21,13 @@ def accepted_prefix(accepted: torch.Tensor) -> torch.Tensor:
     return ended.to(torch.uint8).argmin(dim=1)
 
 
-def greedy_verify(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, K + 1, V], drafts [B, K].
+def greedy_verify(choice: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """choice [B, K + 1] the target's argmax after each pending token, drafts [B, K].
 
     drafts [5, 7, 9], target choices [5, 7, 2, 4] (choice j follows pending token j): 5 and 7 match,
     9 != 2, so n_acc = 2 and the row emits 5, 7, 2. Every emitted token is a target argmax, so the
     output equals plain greedy decoding whatever the draft proposes.
     """
-    choice = logits.argmax(dim=-1)  # [B, K + 1]
     return choice, accepted_prefix(drafts == choice[:, :-1])
 
 
