@@ -274,6 +274,42 @@ def test_an_engine_over_two_processes_generates_what_one_does(tmp_path, tokenize
     assert len(workers) == 1 and not workers[0].is_alive() and workers[0].exitcode == 0
 
 
+def _draft_variant(target: Path, out: Path, variant: str) -> Path:
+    """A random draft with a 101-token draft vocabulary (blocks of 51 over 2 ranks, one padding row) and
+    its own embeddings, or one with neither lm_head nor d2t (it shares the target's head)."""
+    draft = write_random_draft(target, out, draft_vocab=101 if variant == "own-embeddings" else None)
+    weights = safetensors.torch.load_file(draft / "model.safetensors")
+    if variant == "own-embeddings":
+        weights["embed_tokens.weight"] = torch.randn(384, 64) * 0.1
+    else:
+        del weights["lm_head.weight"], weights["d2t"], weights["t2d"]
+    safetensors.torch.save_file(weights, draft / "model.safetensors")
+    return draft
+
+
+@pytest.mark.parametrize("variant", ["own-embeddings", "shared-head"])
+def test_a_split_draft_proposes_what_one_process_does(tmp_path, tokenizer_dir, variant):
+    """The draft splits with the target: its layer by heads and width, its lm_head by draft vocabulary
+    (101 ids: padded), its own embeddings by vocabulary, or the target's lm_head block shared. Greedy and
+    seeded sampled completions with K = 3 equal one process's, and so do the acceptance lengths (the
+    same proposals)."""
+    target = save_hf_model(build_hf_model(llama3_hf_config(), seed=12), tmp_path / "t", tokenizer_dir)
+    draft = _draft_variant(target, tmp_path / "d", variant)
+    prompts = [torch.randint(5, 384, (n,)).tolist() for n in (30, 12)]
+    params = [SamplingParams(max_tokens=20, ignore_eos=True),
+              SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.8, seed=5)]  # fmt: skip
+    kw = dict(dtype="float32", max_batch=2, max_seq_len=96, draft=draft, num_draft_tokens=3, progress=False)
+    want = LLM(target, **kw).generate(prompts, params)
+    llm = LLM(target, tensor_parallel_size=2, **kw)
+    try:
+        assert llm.runner.draft.lm_head.weight.shape[0] == (51 if variant == "own-embeddings" else 192)
+        got = llm.generate(prompts, params)
+    finally:
+        llm.close()
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert [c.acceptance_length for c in got] == [c.acceptance_length for c in want]
+
+
 def _exit_with(code: int) -> None:
     os._exit(code)
 

@@ -3,10 +3,17 @@ concat(norm(embedding), norm(hidden)), final norm and an lm_head over a reduced 
 
 Row convention (shared by inference and training): the draft row at position p reads the target's
 hidden state at p and the embedding of the token at p + 1, and predicts the token at p + 2.
+
+Under tensor parallelism the draft is split like the target (parallel/sharding.py): its layer's heads
+and MLP width, its lm_head by draft vocabulary, its own embeddings by vocabulary; fc, the norms and
+d2t / t2d are replicated (as vLLM does). A replicated draft would read all of itself on every rank:
+BENCHMARKS.md "Tensor parallelism" measures and projects both.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +30,9 @@ from redline.layers.norm import RMSNorm
 from redline.layers.rotary import Rotary
 from redline.models.llama import KVLayer, LlamaForCausalLM
 from redline.models.loader import CheckpointError, checkpoint_files, load_weights, save_weights
+from redline.parallel.group import SINGLE, TensorParallel
+from redline.parallel.sharding import Shard, local_config, shard_of
+from redline.parallel.vocab import VocabParallelEmbedding, gather_vocab, vocab_block, vocab_parallel_argmax
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -59,6 +69,11 @@ class Eagle3Config:
             raw=raw,
         )
 
+    def local(self, size: int) -> Eagle3Config:
+        """One of `size` tensor-parallel ranks' configs: its heads and MLP width (ConfigError if the
+        layer does not split)."""
+        return dataclasses.replace(self, layer=local_config(self.layer, size))
+
     @classmethod
     def from_dir(cls, draft_dir: str | Path) -> Eagle3Config:
         path = Path(draft_dir) / "config.json"
@@ -71,9 +86,10 @@ class Eagle3Config:
 
 
 class Eagle3Layer(nn.Module):
-    def __init__(self, config: Eagle3Config, rotary: Rotary):
+    def __init__(self, config: Eagle3Config, rotary: Rotary, tp: TensorParallel = SINGLE):
         super().__init__()
         c = config.layer
+        self.tp = tp  # attention and the MLP each return a partial sum over ranks: all-reduced in finish
         self.norm_before_residual = config.norm_before_residual
         self.self_attn = Attention(c, 0, rotary, in_features=2 * c.hidden_size)
         self.mlp = MLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
@@ -99,22 +115,23 @@ class Eagle3Layer(nn.Module):
         return torch.cat((self.input_layernorm(embeds), normed), dim=-1), residual
 
     def finish(self, residual: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:  # [B, T, H] each
-        x = residual + attended
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = residual + self.tp.all_reduce(attended)
+        return x + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(x)))
 
 
 class Eagle3Draft(nn.Module):
-    def __init__(self, config: Eagle3Config):
+    def __init__(self, config: Eagle3Config, tp: TensorParallel = SINGLE):
+        """With tp.size > 1, config.layer is this rank's shard of the layer (`Eagle3Config.local`)."""
         super().__init__()
         c = config.layer
-        self.config = config
+        self.config, self.tp = config, tp
         self.rotary = Rotary(c.rope, c.head_dim, interleaved=False)
         self.fc = Linear(
             len(config.aux_layers or (0, 0, 0)) * config.target_hidden_size, c.hidden_size, bias=False
         )
-        self.midlayer = Eagle3Layer(config, self.rotary)
+        self.midlayer = Eagle3Layer(config, self.rotary, tp)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.lm_head = Linear(c.hidden_size, config.draft_vocab_size, bias=False)
+        self.lm_head = Linear(c.hidden_size, vocab_block(config.draft_vocab_size, tp.size), bias=False)
         # d2t[i]: draft id i is target id i + d2t[i]; t2d[j]: target id j is in the draft vocabulary
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.ones(c.vocab_size, dtype=torch.bool))
@@ -150,7 +167,12 @@ class Eagle3Draft(nn.Module):
         return self.midlayer(self.embed(next_tokens), hidden, batch, cache)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., draft_vocab] fp32
-        return self.lm_head(self.norm(hidden)).float()
+        return gather_vocab(self.lm_head(self.norm(hidden)).float(), self.tp, self.config.draft_vocab_size)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., H] -> [...] draft ids
+        """logits(hidden).argmax(-1), without gathering the logits under tensor parallelism."""
+        local = self.lm_head(self.norm(hidden)).float()
+        return vocab_parallel_argmax(local, self.tp, self.config.draft_vocab_size)
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft ids -> target ids. d2t = [0, 0, 3, ...]: draft id 2 is target id 5."""
@@ -170,19 +192,21 @@ def load_draft(
 ) -> Eagle3Draft:
     """Loads an EAGLE-3 checkpoint for `target` and attaches it (embeddings, aux layers): safetensors, or
     pytorch_model.bin (sharded or not) as the original EAGLE-3 releases ship (yuhuili/EAGLE3-*)."""
-    config = Eagle3Config.from_dir(draft_dir)
+    config, tp = Eagle3Config.from_dir(draft_dir), target.tp
     keys = {_rename_draft_key(k) for k in checkpoint_files(Path(draft_dir))}
     own_embeddings, own_head = "embed_tokens.weight" in keys, "lm_head.weight" in keys
     _check_fits(config, target.config, draft_dir, own_embeddings, own_head)
     with torch.device("meta"):
-        draft = Eagle3Draft(config)
+        draft = Eagle3Draft(config.local(tp.size), tp)
         if own_embeddings:
-            draft.embed_tokens = nn.Embedding(config.layer.vocab_size, config.layer.hidden_size)
+            draft.embed_tokens = VocabParallelEmbedding(config.layer.vocab_size, config.layer.hidden_size, tp)
     optional = ["d2t", "t2d", "lm_head.weight"]
-    load_weights(draft, draft_dir, dtype=dtype, device=device, rename=_rename_draft_key, optional=optional)
-    if not own_head:
-        if target.tp.size > 1:
-            raise ValueError(f"{draft_dir}: a draft without its own lm_head cannot run tensor-parallel yet")
+    shard = functools.partial(draft_shard_of, config, rank=tp.rank, size=tp.size) if tp.size > 1 else None
+    load_weights(
+        draft, draft_dir, dtype=dtype, device=device, rename=_rename_draft_key, optional=optional,
+        shard_of=shard,
+    )  # fmt: skip
+    if not own_head:  # the target's head (its vocabulary is the draft's: checked), or its block of it
         draft.lm_head.weight = target.lm_head.weight
     for name in ("d2t", "t2d"):  # absent: identity vocabulary (draft_vocab_size == vocab_size was checked)
         if getattr(draft, name).is_meta:
@@ -197,6 +221,18 @@ def load_draft(
     draft.attach(target)
     _check_aux_width(draft, target, draft_dir)
     return draft.eval()
+
+
+def draft_shard_of(config: Eagle3Config, module_key: str, rank: int, size: int) -> Shard | None:
+    """What `rank` of `size` loads of a draft tensor (None: all of it). The layer splits as a target layer
+    does; lm_head by the draft vocabulary, own embeddings by the target's; fc, norms, d2t, t2d whole."""
+    if module_key in ("lm_head.weight", "embed_tokens.weight"):
+        vocab = config.draft_vocab_size if module_key == "lm_head.weight" else config.layer.vocab_size
+        block = vocab_block(vocab, size)
+        return Shard((slice(rank * block, min((rank + 1) * block, vocab)),), rows=block)
+    if not module_key.startswith("midlayer."):
+        return None
+    return shard_of(config.layer, module_key, rank, size)
 
 
 def _check_fits(

@@ -19,7 +19,7 @@ from redline.layers.moe import MoE
 from redline.layers.norm import RMSNorm
 from redline.layers.rotary import Rotary
 from redline.parallel.group import SINGLE, TensorParallel
-from redline.parallel.vocab import VocabParallelEmbedding, vocab_block
+from redline.parallel.vocab import VocabParallelEmbedding, gather_vocab, vocab_block, vocab_parallel_argmax
 
 KVLayer = tuple[torch.Tensor, torch.Tensor]
 
@@ -133,26 +133,9 @@ class LlamaForCausalLM(nn.Module):
         return {m.num_experts // m.top_k for m in self.modules() if isinstance(m, MoE)}
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., vocab] fp32
-        if self.tp.size == 1:
-            return self.lm_head(hidden).float()
-        blocks = self.tp.gather_last_dim(self.lm_head(hidden).float())  # every rank's vocabulary block
-        return blocks[..., : self.config.vocab_size]  # without the last block's padding
+        """Under tensor parallelism every rank's vocabulary block, gathered (parallel/vocab.py)."""
+        return gather_vocab(self.lm_head(hidden).float(), self.tp, self.config.vocab_size)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [...] int64
-        """logits(hidden).argmax(-1), without gathering the logits under tensor parallelism: each rank
-        takes the best of its vocabulary block, and the ranks exchange one (value, id) pair each.
-
-        Example, vocabulary 6 over 2 ranks (blocks of 3), logits [1, 5, 2 | 5, 0, 3]: rank 0 offers (5, 1),
-        rank 1 (5, 3); the first rank with the highest value wins: id 1, the first maximum, as argmax."""
-        local = self.lm_head(hidden).float()  # [..., B]
-        if self.tp.size == 1:
-            return local.argmax(-1)
-        first = self.tp.rank * local.shape[-1]
-        padding = first + local.shape[-1] - self.config.vocab_size  # zero rows of the last block
-        if padding > 0:
-            local = local.index_fill(-1, torch.arange(local.shape[-1] - padding, local.shape[-1],
-                                                      device=local.device), float("-inf"))  # fmt: skip
-        value, index = local.max(-1)  # the first maximum
-        offers = self.tp.gather_last_dim(torch.stack((value, (index + first).float()), dim=-1))  # [..., 2N]
-        best = offers[..., 0::2].argmax(-1, keepdim=True)  # [..., 1] the first rank holding the maximum
-        return offers[..., 1::2].gather(-1, best)[..., 0].long()  # ids < 2^24: exact in fp32
+        """logits(hidden).argmax(-1), without gathering the logits under tensor parallelism."""
+        return vocab_parallel_argmax(self.lm_head(hidden).float(), self.tp, self.config.vocab_size)

@@ -4,7 +4,9 @@ B = 3, rank 3 holds ids 9 and two zero rows).
 
 An embedding lookup takes the rows of the ids in this rank's block, zeros elsewhere, and one all-reduce
 adds the ranks' results: every id's row comes from exactly one rank, so the sum is exact. The lm_head
-multiplies by this rank's rows (its block of the logits); LlamaForCausalLM.logits gathers the blocks.
+multiplies by this rank's rows (its block of the logits): `gather_vocab` joins the blocks (sampling
+needs the whole distribution), `vocab_parallel_argmax` picks the greedy token from one (value, id) pair
+per rank.
 """
 
 from __future__ import annotations
@@ -32,3 +34,31 @@ class VocabParallelEmbedding(nn.Embedding):
         mine = (local >= 0) & (local < self.num_embeddings)
         rows = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight)
         return self.tp.all_reduce(rows * mine[..., None].to(rows.dtype))
+
+
+def gather_vocab(local: torch.Tensor, tp: TensorParallel, vocab: int) -> torch.Tensor:
+    """Every rank's logits block [..., B] joined into [..., vocab] (the last block's padding dropped)."""
+    if tp.size == 1:
+        return local
+    return tp.gather_last_dim(local)[..., :vocab]
+
+
+def vocab_parallel_argmax(local: torch.Tensor, tp: TensorParallel, vocab: int) -> torch.Tensor:
+    """argmax over the whole vocabulary of every rank's logits block [..., B] -> [...] int64, without
+    gathering the blocks: each rank offers its best (value, id), and the first rank holding the highest
+    value wins, which is argmax's first maximum.
+
+    Example, vocabulary 5 over 2 ranks (blocks of 3, one padding row on rank 1), logits [1, 5, 2 | 5, 0]:
+    rank 0 offers (5, 1), rank 1 (5, 3) (its padding row, logit 0, is left out): id 1."""
+    if tp.size == 1:
+        return local.argmax(-1)
+    block = local.shape[-1]
+    first = tp.rank * block
+    padding = first + block - vocab  # zero rows at the end of the last block
+    if padding > 0:
+        pad_ids = torch.arange(block - padding, block, device=local.device)
+        local = local.index_fill(-1, pad_ids, float("-inf"))
+    value, index = local.max(-1)  # the first maximum
+    offers = tp.gather_last_dim(torch.stack((value, (index + first).float()), dim=-1))  # [..., 2N]
+    best = offers[..., 0::2].argmax(-1, keepdim=True)  # [..., 1] the first rank holding the maximum
+    return offers[..., 1::2].gather(-1, best)[..., 0].long()  # ids < 2^24 are exact in fp32

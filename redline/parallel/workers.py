@@ -12,11 +12,20 @@ its shard and runner are built; a worker that fails (out of memory, a missing sh
 on rank 0 as an error naming its rank, and the other workers are stopped. A worker that dies later
 makes every call fail with RankLostError (checked before each call, and after a call that raised: a
 collective with a dead peer fails), which the engine counts as a lost device (engine/failures.py).
+
+Shutdown: rank 0 stops the workers ("stop"); they ignore Ctrl-C (it reaches the whole process group, and
+rank 0 handles it), and a worker whose rank 0 has died (killed, say) exits by itself within a second
+instead of waiting for calls forever. A worker's tqdm bars take a thread lock instead of tqdm's default
+multiprocessing one: a semaphore a killed worker never unregisters, which the resource tracker would
+report as "leaked" at exit.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import signal
 import socket
+import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -28,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tqdm import tqdm
 
 from redline.engine.failures import RankLostError
 from redline.engine.runner import ModelRunner
@@ -71,6 +81,8 @@ def _backend(device: str) -> str:
 
 
 def _worker(rank: int, size: int, init: str, spec: RunnerSpec, calls: Any, status: Any, threads: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: rank 0 stops the workers
+    tqdm.set_lock(threading.RLock())  # not tqdm's multiprocessing lock (a semaphore a killed worker leaks)
     try:
         torch.set_num_threads(threads)
         spec = spec.on_rank(rank)
@@ -84,8 +96,19 @@ def _worker(rank: int, size: int, init: str, spec: RunnerSpec, calls: Any, statu
         status.put((rank, "failed", traceback.format_exc()))
         return
     status.put((rank, "ready", None))
-    serve_calls(runner, calls.get)
+    serve_calls(runner, lambda: _receive(calls, rank))
     dist.destroy_process_group()
+
+
+def _receive(calls: Any, rank: int) -> Message:
+    """A worker's next call from rank 0; exits once rank 0 has died, which would never send "stop"."""
+    while True:
+        try:
+            return calls.get(timeout=1.0)
+        except Empty:
+            parent = multiprocessing.parent_process()
+            if parent is not None and not parent.is_alive():
+                raise SystemExit(f"tensor-parallel rank {rank}: rank 0 exited; stopping") from None
 
 
 Message = tuple[str, tuple[Any, ...]]  # (runner method, its arguments); ("stop", ()) ends a worker

@@ -31,13 +31,12 @@ def propose(
     position = positions.gather(1, row[:, None])  # [B, 1] the row at p predicts the token at p + 2
     tokens, probs = [], []
     for step in range(k):
-        logits = draft.logits(h)  # [B, 1, V_draft]
         if any_sampling:
-            q = filtered_probs(logits, sampling)
+            q = filtered_probs(draft.logits(h), sampling)  # [B, 1, V_draft]
             choice = sample_from(q, sampling.seed, position + 2, DRAFT_STREAM)
             probs.append(q)
-        else:
-            choice = logits.argmax(dim=-1)
+        else:  # argmax only: under tensor parallelism, no logits gathered
+            choice = draft.greedy_tokens(h)  # [B, 1]
         token = draft.to_target(choice)  # [B, 1]
         tokens.append(token)
         if step < k - 1:
