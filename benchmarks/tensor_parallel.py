@@ -9,7 +9,9 @@ almost always: the step time is what it measures, not the speed-up), batch 1, ea
   a timer in rank 0's process: waiting for the other rank included), and their count per step;
 - the draft's share (spec.step.propose timed): what sharding the draft could save;
 - peak resident memory of rank 0's process and of rank 1's (ru_maxrss, torch's own ~0.3 GB included),
-  and the bytes of rank 0's weights.
+  and the bytes of rank 0's weights;
+- an all-reduce alone: 2 processes x 1 thread in a loop of gloo all-reduces of one step's activations
+  ([1, 512] and [4, 512] in the run's dtype), the latency without waiting for the other rank's compute.
 Each configuration runs in a fresh process, so each peak is its own.
 
     .venv/bin/python benchmarks/tensor_parallel.py [--dtype bfloat16] [--max-tokens 128] [--repeats 3]
@@ -30,6 +32,8 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 
 def llama4_config(vocab: int) -> dict:
@@ -117,6 +121,34 @@ def child(spec: dict) -> dict:
     )  # fmt: skip
 
 
+def _all_reduce_loop(rank: int, init: str, dtype: str, out: str) -> None:
+    """Rank `rank` of 2: times 2,000 all-reduces of [rows, 512] for 1 and 4 rows; rank 0 writes µs each."""
+    from redline.parallel.group import TensorParallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    tp, result = TensorParallel.current(), {}
+    for rows in (1, 4):
+        x = torch.randn(1, rows, 512).to(getattr(torch, dtype))
+        for _ in range(200):
+            tp.all_reduce(x)
+        start = time.perf_counter()
+        for _ in range(2000):
+            tp.all_reduce(x)
+        result[f"{rows}x512"] = (time.perf_counter() - start) / 2000 * 1e6
+    if rank == 0:
+        Path(out).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def all_reduce_alone(dtype: str) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "us.json"
+        args = (f"{tmp}/init", dtype, str(out))
+        mp.start_processes(_all_reduce_loop, args=args, nprocs=2, start_method="spawn")
+        return json.loads(out.read_text())
+
+
 def _children_peak_gb() -> float:
     """The peak resident memory of the largest child process waited for (rank 1 after llm.close())."""
     return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1e6
@@ -154,6 +186,9 @@ def main() -> None:
                            **json.loads(run.stdout.strip().splitlines()[-1])}  # fmt: skip
                     rows.append(row)
                     print(_line(row), flush=True)
+    alone = all_reduce_alone(args.dtype)
+    each = ", ".join(f"{k} {v:.0f} us" for k, v in alone.items())
+    print(f"all-reduce alone (2 processes x 1 thread, gloo): {each}")
     machine = (
         f"{cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.dtype}, "
         f"{time.strftime('%Y-%m-%d %H:%M')}, other load at start {busy:.2f} cores, "
@@ -161,7 +196,8 @@ def main() -> None:
     )
     print(f"machine: {machine}")
     if args.json:
-        args.json.write_text(json.dumps({"machine": machine, "args": vars(args), "runs": rows}, indent=2))
+        report = {"machine": machine, "args": vars(args), "runs": rows, "all_reduce_alone_us": alone}
+        args.json.write_text(json.dumps(report, indent=2, default=str))
 
 
 def _line(row: dict) -> str:

@@ -138,7 +138,7 @@ class EngineLoop:
         self._settle_queue()
         for request, text in events:
             self._deliver(request, text)
-        if isinstance(self.llm.runner, ParallelRunner) and (dead := self.llm.runner.lost()) is not None and False:
+        if isinstance(self.llm.runner, ParallelRunner) and (dead := self.llm.runner.lost()) is not None:
             raise RankLostError(f"tensor-parallel {dead} died")  # ends the loop: the server exits
         if self._on_step:
             self._on_step(self)
