@@ -113,24 +113,28 @@ def cmd_info(args: argparse.Namespace) -> int:
         pattern.append(f"{attn}+{'moe' if i in c.moe_layers else 'dense'}")
     print("layers: " + " ".join(f"{i}:{p}" for i, p in enumerate(pattern)))
     if args.tensor_parallel_size > 1:
-        print(_per_rank(c, args.tensor_parallel_size, args.expert_parallel))
+        print(_per_rank(checkpoint_dir(args.model), args.tensor_parallel_size, args.expert_parallel))
     return 0
 
 
-def _per_rank(config: ModelConfig, size: int, expert_parallel: bool) -> str:
-    """What each of `size` tensor-parallel ranks holds (every rank's shard has the same shapes)."""
+def _per_rank(model_dir: Path, size: int, expert_parallel: bool) -> str:
+    """What each of `size` tensor-parallel ranks holds (every rank's shard has the same shapes), and its
+    bytes as loaded: FP8 weights 1 byte, their fp32 scales 4, everything else bf16."""
     import torch
 
-    from redline.models.llama import LlamaForCausalLM
+    from redline.models.build import skeleton
     from redline.parallel.group import TensorParallel
-    from redline.parallel.sharding import local_config
 
-    with torch.device("meta"):
-        tp = TensorParallel(0, size, expert_parallel=expert_parallel)
-        model = LlamaForCausalLM(local_config(config, size, expert_parallel), tp)
+    model = skeleton(model_dir, TensorParallel(0, size, expert_parallel=expert_parallel))
     model.tie_weights()
-    params = sum(p.numel() for p in model.parameters())
-    return f"tensor parallel {size}: {params:,} parameters per rank ({params * 2 / 1e9:.2f} GB in bf16)"
+    params = list(model.parameters())
+    count = sum(p.numel() for p in params)
+    loaded = sum(p.numel() * (1 if p.dtype == torch.float8_e4m3fn else 4 if "scale" in n else 2)
+                 for n, p in model.named_parameters())  # fmt: skip
+    return (
+        f"tensor parallel {size}: {count:,} parameters per rank, {loaded:,} bytes each as loaded "
+        f"({loaded / 2**30:.2f} GiB)"
+    )
 
 
 def cmd_init_random(args: argparse.Namespace) -> int:

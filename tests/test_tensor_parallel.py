@@ -368,11 +368,17 @@ def test_a_worker_that_dies_fails_the_requests_and_ends_the_serving_loop(tmp_pat
 
 def test_info_prints_what_each_rank_holds(tmp_path, tokenizer_dir, capsys):
     """Hidden 64, 3 layers, 4 heads of 16, 2 KV heads, MLP 112, vocabulary 384, untied, N = 2: embedding
-    and lm_head 192 x 64 each; per layer q, o 64 x 32, k, v 64 x 16, MLP 3 x 64 x 56, two norms of 64;
-    the final norm: 2 x 12,288 + 3 x 17,024 + 64 = 75,712."""
+    and lm_head 192 x 64 each; per layer q, o 64 x 32, k, v 64 x 16, MLP 3 x 64 x 56 (16,896 linear
+    weights), two norms of 64; the final norm: 2 x 12,288 + 3 x 17,024 + 64 = 75,712 parameters, bf16.
+    FP8 (`redline quantize`): the linears 1 byte each, plus an fp32 scale per output row each rank holds,
+    q 32 + k 16 + v 16 + o 64 + gate 56 + up 56 + down 64 = 304 per layer; embeddings, lm_head, norms bf16:
+    3 x (16,896 + 4 x 304 + 2 x 128) + 2 x 24,576 + 128 = 104,384 bytes."""
     target = save_hf_model(build_hf_model(llama3_hf_config(), seed=1), tmp_path / "t", tokenizer_dir)
     assert main(["info", "--model", str(target), "--tp", "2"]) == 0
-    assert "tensor parallel 2: 75,712 parameters per rank" in capsys.readouterr().out
+    assert "tensor parallel 2: 75,712 parameters per rank, 151,424 bytes each" in capsys.readouterr().out
+    quantize_checkpoint(target, tmp_path / "fp8")
+    assert main(["info", "--model", str(tmp_path / "fp8"), "--tp", "2"]) == 0
+    assert "tensor parallel 2: 76,624 parameters per rank, 104,384 bytes each" in capsys.readouterr().out
 
 
 def test_torchrun_ranks_follow_rank_0(tmp_path, tokenizer_dir):

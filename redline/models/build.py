@@ -51,6 +51,20 @@ def module_key_to_checkpoint_key(config: ModelConfig, key: str) -> str:
     return config.weight_prefix + key
 
 
+def skeleton(model_dir: str | Path, tp: TensorParallel = SINGLE, scaled_mm: bool = False) -> LlamaForCausalLM:
+    """Rank tp.rank's model on the meta device, without weights: its shard's shapes, and FP8 modules
+    where the checkpoint's quantization_config puts them."""
+    config = ModelConfig.from_dir(model_dir)
+    scheme = fp8_scheme(config.raw, str(Path(model_dir) / "config.json"))
+    if tp.size > 1:
+        config = sharding.local_config(config, tp.size, tp.expert_parallel)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, tp)
+        if scheme is not None:
+            fp8_skeleton(model, scheme, scaled_mm, functools.partial(module_key_to_checkpoint_key, config))
+    return model
+
+
 def load_target(
     model_dir: str | Path,
     dtype: torch.dtype = torch.bfloat16,
@@ -64,19 +78,15 @@ def load_target(
     FP8 checkpoints load as FP8 whatever it says."""
     if quantization not in (None, "fp8"):
         raise ValueError(f"unknown quantization {quantization!r}; choose fp8")
-    whole = config = ModelConfig.from_dir(model_dir)
+    whole = ModelConfig.from_dir(model_dir)
     shard_of = None
     if tp.size > 1:
         shard_of = functools.partial(
-            sharding.shard_of, config, rank=tp.rank, size=tp.size, expert_parallel=tp.expert_parallel
+            sharding.shard_of, whole, rank=tp.rank, size=tp.size, expert_parallel=tp.expert_parallel
         )
-        config = sharding.local_config(config, tp.size, tp.expert_parallel)
-    scheme = fp8_scheme(config.raw, str(Path(model_dir) / "config.json"))
     scaled_mm = scaled_mm_available(torch.device(device))
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config, tp)
-        if scheme is not None:
-            fp8_skeleton(model, scheme, scaled_mm, functools.partial(module_key_to_checkpoint_key, config))
+    model = skeleton(model_dir, tp, scaled_mm)
+    config, scheme = model.config, fp8_scheme(whole.raw)
     hook = None
     if scheme is None and quantization == "fp8":
         hook = QuantizeOnLoad(model, Fp8Scheme(tuple(HIGH_PRECISION)), scaled_mm)
