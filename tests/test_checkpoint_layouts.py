@@ -105,13 +105,14 @@ def llama3_target(tmp_path_factory, tokenizer_dir):
 def draft_tokens(target, draft, tokens: torch.Tensor, k: int = 3) -> torch.Tensor:
     """The draft's K greedy proposals after `tokens` ([1, T] -> [1, K])."""
     positions = torch.arange(tokens.shape[1])[None]
-    cache = KVCache(draft.config.layer, 1, 64, torch.float32, torch.device("cpu")).layers[0]
+    kv = KVCache(draft.config.layer, 1, 64, torch.float32, torch.device("cpu"))
     with torch.no_grad():
         _, aux = target(tokens, positions)
         row = torch.tensor([tokens.shape[1] - 2])
         proposed, _ = propose(
-            draft, aux[:, :-1], tokens[:, 1:], positions[:, :-1], row, k, cache, 0, 64, None, False
-        )
+            draft, aux[:, :-1], tokens[:, 1:], positions[:, :-1], row, k, kv.layers[0], kv.tables(0, 1), 64,
+            None, False,
+        )  # fmt: skip
     return proposed
 
 

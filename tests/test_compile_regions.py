@@ -8,7 +8,7 @@ import torch._dynamo
 from conftest import llama3_hf_config
 
 from redline.config import ModelConfig
-from redline.engine.kv_cache import KVCache
+from redline.engine.kv_cache import KVCache, gather_blocks
 from redline.engine.runner import ModelRunner
 from redline.kernels.select import select_cpu_paths
 from redline.models.llama import LlamaForCausalLM
@@ -28,7 +28,7 @@ def test_the_layers_of_a_model_share_one_compiled_region():
     tokens, positions = torch.tensor([[5, 7]]), torch.tensor([[3, 4]])
 
     def forward(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return model(tokens, positions, cache.layers, 0, 64)[0]
+        return model(tokens, positions, cache.layers, cache.tables(0, 1), 64)[0]
 
     graphs = []
 
@@ -39,7 +39,7 @@ def test_the_layers_of_a_model_share_one_compiled_region():
     torch._dynamo.reset()
     with torch.inference_mode():
         got = torch.compile(forward, backend=backend, fullgraph=True)(tokens, positions)
-        keys = [k[0, :, 3:5].clone() for k, _ in cache.layers]
+        keys = [gather_blocks(k, cache.tables(0, 1), 5)[0, :, 3:5].clone() for k, _ in cache.layers]
         want = forward(tokens, positions)
     [graph] = graphs
     calls = [n for n in graph.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
@@ -47,7 +47,7 @@ def test_the_layers_of_a_model_share_one_compiled_region():
     assert len({call.args[0].target for call in calls}) == 1  # one traced body for every layer
     torch.testing.assert_close(got, want)
     for key, (k, _) in zip(keys, cache.layers, strict=True):  # each layer wrote its own cache
-        torch.testing.assert_close(key, k[0, :, 3:5])
+        torch.testing.assert_close(key, gather_blocks(k, cache.tables(0, 1), 5)[0, :, 3:5])
         assert key.abs().sum() > 0
 
 

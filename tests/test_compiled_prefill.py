@@ -11,7 +11,7 @@ from conftest import llama4_hf_config
 
 from redline.config import ModelConfig
 from redline.engine.compiled_prefill import CompiledPrefill, padded_prompt_len, warm_up_lengths
-from redline.engine.kv_cache import KVCache
+from redline.engine.kv_cache import KVCache, gather_blocks
 from redline.models.llama import LlamaForCausalLM
 from redline.models.random_init import normal_init
 
@@ -48,7 +48,8 @@ def test_a_length_the_warm_up_did_not_compile_runs_eagerly_with_the_same_result(
     tokens = torch.randint(0, config.vocab_size, (1, 40))
     with pytest.warns(UserWarning, match="48-token prefill needs a graph the warm-up did not compile"):
         hidden, _ = prefill(tokens, 0)
-    want, _ = model(tokens, torch.arange(40)[None], eager_cache.layers, 0, eager_cache.kv_len_for(40))
+    tables = eager_cache.tables(0, 1)
+    want, _ = model(tokens, torch.arange(40)[None], eager_cache.layers, tables, eager_cache.kv_len_for(40))
     torch.testing.assert_close(hidden, want, atol=1e-5, rtol=1e-5)
 
 
@@ -76,18 +77,21 @@ def test_compiled_prefill_equals_eager_in_every_slot_and_length_from_one_graph(l
     # the 4,096 elements at which inductor once split a backed dimension's reductions) reuse it
     for slot, n in ((1, 20), (2, 29), (0, 40), (1, 4150)):
         tokens = torch.randint(0, config.vocab_size, (1, n))
-        others = [s for s in range(slots) if s != slot]
+        others = compiled_cache.table[[s for s in range(slots) if s != slot]].flatten().long()  # blocks
         untouched = [(k[others].clone(), v[others].clone()) for k, v in compiled_cache.layers]
         with torch._dynamo.config.patch(error_on_recompile=(n != 20)):
             hidden, aux = prefill(tokens, slot)
         positions = torch.arange(n)[None]
-        want_hidden, want_aux = model(tokens, positions, eager_cache.layers, slot, eager_cache.kv_len_for(n))
+        tables = eager_cache.tables(slot, 1)
+        kv_len = eager_cache.kv_len_for(n)
+        want_hidden, want_aux = model(tokens, positions, eager_cache.layers, tables, kv_len)
         # fp32 sums in another order: a few ulp per op, grown over 4 layers
         torch.testing.assert_close(hidden, want_hidden, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(aux, want_aux, atol=1e-4, rtol=1e-4)
         layers = zip(compiled_cache.layers, eager_cache.layers, untouched, strict=True)
         for (k, v), (want_k, want_v), (other_k, other_v) in layers:
-            torch.testing.assert_close(k[slot, :, :n], want_k[slot, :, :n], atol=1e-4, rtol=1e-4)
-            torch.testing.assert_close(v[slot, :, :n], want_v[slot, :, :n], atol=1e-4, rtol=1e-4)
+            for got, want in ((k, want_k), (v, want_v)):
+                got, want = gather_blocks(got, tables, n), gather_blocks(want, tables, n)
+                torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
             assert torch.equal(k[others], other_k) and torch.equal(v[others], other_v)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # every length, every slot

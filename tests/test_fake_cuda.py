@@ -229,12 +229,12 @@ def test_compiled_prefill_traces_the_kernels(fake_cuda, family):
     runner = ModelRunner(model, 4, 1024, cuda_graphs=False)
     graphs: list[torch.fx.GraphModule] = []
 
-    def prefill(tokens: torch.Tensor, cache: list) -> tuple:
+    def prefill(tokens: torch.Tensor, tables: torch.Tensor) -> tuple:
         positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
-        return model(tokens, positions, cache, 0, tokens.shape[1])
+        return model(tokens, positions, runner.cache.layers, tables, tokens.shape[1])
 
     compiled = torch.compile(prefill, fullgraph=True, dynamic=False, backend=_aot_graphs(graphs))
-    views = [(k[1:2], v[1:2]) for k, v in runner.cache.layers]
+    views = runner.cache.tables(1, 1)
     shortest = 16 if family == "llama3" else model.config.num_experts + 1
     for length in (shortest, 400):
         tokens = torch.zeros((1, length), dtype=torch.int64, device=CUDA)

@@ -193,8 +193,9 @@ def test_fp8_kv_cache_close_to_full_precision(tmp_path, tokenizer_dir):
     for dtype in (torch.float32, FP8):
         cache = KVCache(model.config, 1, 64, dtype, torch.device("cpu"))
         with torch.no_grad():
-            model(tokens[:, :32], torch.arange(32)[None], cache.layers, 0, 64)  # prefill into the cache
-            hidden, _ = model(tokens[:, 32:], torch.tensor([[32]]), cache.layers, 0, 64)  # one decode step
+            tables = cache.tables(0, 1)
+            model(tokens[:, :32], torch.arange(32)[None], cache.layers, tables, 64)  # prefill into the cache
+            hidden, _ = model(tokens[:, 32:], torch.tensor([[32]]), cache.layers, tables, 64)  # a decode step
         logits[dtype] = model.logits(hidden)[0, -1].log_softmax(-1)
     assert cache.layers[0][0].dtype == FP8
     kl = (logits[torch.float32].exp() * (logits[torch.float32] - logits[FP8])).sum().item()

@@ -8,6 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from redline.engine.kv_cache import BLOCK, gather_blocks
 from redline.kernels.decode_attention import decode_attention, decode_attention_reference
 from redline.kernels.prefill_attention import prefill_attention, prefill_attention_reference
 from redline.kernels.rms_norm import add_rms_norm, add_rms_norm_reference
@@ -67,6 +68,26 @@ def test_swiglu(dtype, shape):
     )
 
 
+def paged(
+    keys: torch.Tensor,  # [B, Hkv, L, D] each row's keys (and values) by position
+    values: torch.Tensor,
+    gen: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # k, v [blocks, Hkv, BLOCK, D], tables [B, n] int32
+    """Each row's positions scattered over blocks in random order among 3 spare blocks of noise: row b's
+    position p lands in block tables[b, p // BLOCK] at row p % BLOCK."""
+    b, hkv, length, d = keys.shape
+    n = -(-length // BLOCK)
+    tables = torch.randperm(b * n + 3, generator=gen)[: b * n].view(b, n).to(torch.int32)
+    stores = []
+    for rows in (keys, values):
+        store = torch.randn(b * n + 3, hkv, BLOCK, d, generator=gen)
+        padded = torch.cat((rows, torch.randn(b, hkv, n * BLOCK - length, d, generator=gen)), dim=2)
+        store[tables.long()] = padded.view(b, hkv, n, BLOCK, d).transpose(1, 2)
+        assert torch.equal(gather_blocks(store, tables, length), rows)
+        stores.append(store)
+    return *stores, tables
+
+
 @pytest.mark.parametrize(
     "b,t,hq,hkv,kv_len,chunk,splits",
     [
@@ -81,34 +102,37 @@ def test_swiglu(dtype, shape):
     [(torch.float32, torch.float32), (torch.float32, torch.float8_e4m3fn), (torch.bfloat16, torch.bfloat16)],
 )
 def test_decode_attention(b, t, hq, hkv, kv_len, chunk, splits, dtype, cache_dtype):
-    d, slots, max_len = 16, b + 2, kv_len + 8
+    d, max_len = 16, kv_len + 8
     gen = torch.Generator().manual_seed(b * 100 + t)
     q = torch.randn(b, t, hq, d, generator=gen).to(DEVICE, dtype)
-    k_cache = torch.randn(slots, hkv, max_len, d, generator=gen).to(DEVICE)
-    v_cache = torch.randn(slots, hkv, max_len, d, generator=gen).to(DEVICE)
-    k_cache, v_cache = (
-        k_cache.to(cache_dtype),
-        v_cache.to(cache_dtype),
-    )  # FP8 entries are upcast in the kernel
-    # per-slot lengths: each slot's queries sit at its own positions, consecutive over its T tokens
+    k_cache, v_cache, tables = paged(*torch.randn(2, b, hkv, max_len, d, generator=gen).unbind(0), gen)
+    # FP8 entries are upcast in the kernel
+    k_cache, v_cache, tables = (
+        k_cache.to(DEVICE, cache_dtype),
+        v_cache.to(DEVICE, cache_dtype),
+        tables.to(DEVICE),
+    )
+    # per-row lengths: each row's queries sit at its own positions, consecutive over its T tokens
     last = torch.randint(t, kv_len, (b,), generator=gen).to(DEVICE)
     positions = last[:, None] - torch.arange(t - 1, -1, -1, device=DEVICE)[None]
-    got = decode_attention(q, k_cache, v_cache, positions, 1, kv_len, chunk, num_splits=splits)
-    expected = decode_attention_reference(q, k_cache, v_cache, positions, 1, kv_len, chunk)
+    got = decode_attention(q, k_cache, v_cache, positions, tables, kv_len, chunk, num_splits=splits)
+    expected = decode_attention_reference(q, k_cache, v_cache, positions, tables, kv_len, chunk)
     torch.testing.assert_close(got, expected, atol=TOL[dtype], rtol=TOL[dtype])
 
 
 def _prefill_inputs(b, t, hq, hkv, kv_len, d, dtype, cache_dtype, seed):
-    """Random q and caches for b slots (at rows 1..b of b + 2); slot i's t queries sit at consecutive
-    positions starting at a random offset (0: a fresh prompt, > 0: a prompt continued in the cache)."""
+    """Random q and block caches for b rows (their blocks in random order among spare ones); row i's t
+    queries sit at consecutive positions starting at a random offset (0: a fresh prompt, > 0: a prompt
+    continued in the cache)."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(b, t, hq, d, generator=gen).to(DEVICE, dtype)
     # entries past each query's position hold stale values the mask must hide: all random
-    k_cache, v_cache = torch.randn(2, b + 2, hkv, kv_len + 8, d, generator=gen).to(DEVICE).unbind(0)
+    k_cache, v_cache, tables = paged(*torch.randn(2, b, hkv, kv_len + 8, d, generator=gen).unbind(0), gen)
     start = torch.randint(0, kv_len - t + 1, (b, 1), generator=gen)
     start[0] = 0
     positions = (start + torch.arange(t)[None]).to(DEVICE)
-    return q, k_cache.to(cache_dtype), v_cache.to(cache_dtype), positions
+    k_cache, v_cache = k_cache.to(DEVICE, cache_dtype), v_cache.to(DEVICE, cache_dtype)
+    return q, k_cache, v_cache, positions, tables.to(DEVICE)
 
 
 @pytest.mark.parametrize(
@@ -126,11 +150,11 @@ def _prefill_inputs(b, t, hq, hkv, kv_len, d, dtype, cache_dtype, seed):
     [(torch.float32, torch.float32), (torch.float32, torch.float8_e4m3fn), (torch.bfloat16, torch.bfloat16)],
 )
 def test_prefill_attention(b, t, hq, hkv, kv_len, chunk, block_m, block_n, dtype, cache_dtype):
-    q, k_cache, v_cache, positions = _prefill_inputs(
+    q, k_cache, v_cache, positions, tables = _prefill_inputs(
         b, t, hq, hkv, kv_len, 16, dtype, cache_dtype, b * 1000 + t
     )
-    got = prefill_attention(q, k_cache, v_cache, positions, 1, kv_len, chunk, block_m, block_n)
-    expected = prefill_attention_reference(q, k_cache, v_cache, positions, 1, kv_len, chunk)
+    got = prefill_attention(q, k_cache, v_cache, positions, tables, kv_len, chunk, block_m, block_n)
+    expected = prefill_attention_reference(q, k_cache, v_cache, positions, tables, kv_len, chunk)
     assert got.dtype == dtype and got.shape == q.shape
     torch.testing.assert_close(got, expected, atol=TOL[dtype], rtol=TOL[dtype])
 
@@ -142,9 +166,11 @@ def test_prefill_attention_at_4000_tokens():
     from redline.kernels.select import prefill_tiles
 
     tiles = prefill_tiles(torch.float32) if DEVICE == "cuda" else {"block_m": 128, "block_n": 128}
-    q, k_cache, v_cache, positions = _prefill_inputs(1, 4000, 2, 1, 4096, 16, torch.float32, torch.float32, 7)
-    got = prefill_attention(q, k_cache, v_cache, positions, 1, 4096, 1536, **tiles)
-    expected = prefill_attention_reference(q, k_cache, v_cache, positions, 1, 4096, 1536)
+    q, k_cache, v_cache, positions, tables = _prefill_inputs(
+        1, 4000, 2, 1, 4096, 16, torch.float32, torch.float32, 7
+    )
+    got = prefill_attention(q, k_cache, v_cache, positions, tables, 4096, 1536, **tiles)
+    expected = prefill_attention_reference(q, k_cache, v_cache, positions, tables, 4096, 1536)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -206,9 +232,10 @@ def test_engine_with_triton_attention_matches_sdpa(tmp_path, tokenizer_dir):
 )
 def test_decode_attention_with_pdl():
     q = torch.randn(2, 4, 8, 64, device="cuda")
-    k_cache, v_cache = torch.randn(2, 3, 2, 256, 64, device="cuda").unbind(0)  # 3 slots, 2 kv heads
+    k_cache, v_cache = torch.randn(2, 48, 2, BLOCK, 64, device="cuda").unbind(0)  # 48 blocks, 2 kv heads
+    tables = torch.randperm(48, device="cuda")[:32].view(2, 16).int()
     positions = torch.tensor([[100, 101, 102, 103], [7, 8, 9, 10]], device="cuda")
-    got = decode_attention(q, k_cache, v_cache, positions, 0, 256, pdl=True)
+    got = decode_attention(q, k_cache, v_cache, positions, tables, 256, pdl=True)
     torch.testing.assert_close(
-        got, decode_attention_reference(q, k_cache, v_cache, positions, 0, 256), atol=1e-4, rtol=1e-4
+        got, decode_attention_reference(q, k_cache, v_cache, positions, tables, 256), atol=1e-4, rtol=1e-4
     )

@@ -68,12 +68,12 @@ def test_cached_prefill_then_decode_matches_full_forward(pair):
     with torch.no_grad():
         expected = hf(tokens).logits[0]
     runner, model = llm.runner, llm.model
-    layers = runner.cache.layers
+    layers, tables = runner.cache.layers, runner.cache.tables(1, 1)
     with torch.no_grad():
-        hidden, _ = model(tokens[:, :30], torch.arange(30)[None], layers, slot_start=1, kv_len=64)
+        hidden, _ = model(tokens[:, :30], torch.arange(30)[None], layers, tables, kv_len=64)
         got = [model.logits(hidden)[0]]
         for p in range(30, 70):
-            hidden, _ = model(tokens[:, p : p + 1], torch.tensor([[p]]), layers, slot_start=1, kv_len=128)
+            hidden, _ = model(tokens[:, p : p + 1], torch.tensor([[p]]), layers, tables, kv_len=128)
             got.append(model.logits(hidden)[0])
     torch.testing.assert_close(torch.cat(got), expected, atol=ATOL, rtol=0)
 

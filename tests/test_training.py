@@ -105,12 +105,13 @@ def inference_chain(draft: Eagle3Draft, tokens: torch.Tensor, aux: torch.Tensor,
     """The draft's hidden state [H] at row p after `step` own steps, as the engine computes it: prefill of
     rows 0..p-step with target features, then single-token steps on its own hidden state. tokens [1, T],
     aux [1, T, 3H] of one sequence starting at position 0."""
-    cache = KVCache(draft.config.layer, 1, 64, torch.float32, torch.device("cpu")).layers[0]
+    kv = KVCache(draft.config.layer, 1, 64, torch.float32, torch.device("cpu"))
+    cache, tables = kv.layers[0], kv.tables(0, 1)
     start = p - step  # the last row with target features
     rows = torch.arange(start + 1)[None]
-    h = draft(tokens[:, 1 : start + 2], draft.fuse(aux[:, : start + 1]), rows, cache, 0, 64)[:, -1:]
+    h = draft(tokens[:, 1 : start + 2], draft.fuse(aux[:, : start + 1]), rows, cache, tables, 64)[:, -1:]
     for position in range(start + 1, p + 1):
-        h = draft(tokens[:, position + 1 : position + 2], h, torch.tensor([[position]]), cache, 0, 64)
+        h = draft(tokens[:, position + 1 : position + 2], h, torch.tensor([[position]]), cache, tables, 64)
     return h[0, 0]
 
 

@@ -146,7 +146,8 @@ def draft_share(llm: LLM, prompt: list[int], steps: int = 10) -> float:
         return (time.perf_counter() - start) / steps
 
     def target_only() -> None:
-        hidden, _ = runner.model(runner.state.pending[:1], positions, runner.cache.layers, 0, kv_len)
+        tables = runner.cache.tables(0, 1)
+        hidden, _ = runner.model(runner.state.pending[:1], positions, runner.cache.layers, tables, kv_len)
         runner.model.logits(hidden)
 
     # the step advances the slot, so give it its own copy of the state each time

@@ -13,9 +13,8 @@ positions n .. L - 1, each real query attends only keys at or before its positio
 position >= n is written again (by the decode step, before any query reads it).
 Example: n = 20 -> L = 32; tokens [t0 .. t19, 0 x 12] at positions 0 .. 31; hidden[:, :20] is kept.
 
-The slot is not a graph input: each slot has its own views of the cache, `k[s : s + 1]`, which the
-graph sees at slot 0. Views of different slots share shapes and strides, so one graph serves them all,
-and the cache writes land in the real cache through the views.
+The slot enters as its block table (a [1, blocks] tensor, engine/kv_cache.py), so one graph serves
+every slot.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from redline.engine.kv_cache import KVCache
-from redline.models.llama import KVLayer, LlamaForCausalLM
+from redline.models.llama import LlamaForCausalLM
 
 ALIGN = 16
 
@@ -54,18 +53,15 @@ def warm_up_lengths(cache_len: int, branches: Iterable[int] = ()) -> list[int]:
 class CompiledPrefill:
     def __init__(self, model: LlamaForCausalLM, cache: KVCache):
         self.model, self.cache = model, cache
-        self.slot_views: list[list[KVLayer]] = [
-            [(k[s : s + 1], v[s : s + 1]) for k, v in cache.layers] for s in range(cache.slots)
-        ]
         self.compiled = torch.compile(self._forward, fullgraph=True, dynamic=False)
         self.frozen = False
 
     def _forward(
-        self, tokens: torch.Tensor, cache: list[KVLayer]
+        self, tokens: torch.Tensor, tables: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         length = tokens.shape[1]
         positions = torch.arange(length, device=tokens.device)[None]
-        return self.model(tokens, positions, cache, 0, length)
+        return self.model(tokens, positions, self.cache.layers, tables, length)
 
     def freeze(self) -> None:
         """From now on a call that would compile raises instead."""
@@ -86,12 +82,12 @@ class CompiledPrefill:
         torch._dynamo.maybe_mark_dynamic(padded, 1)
         try:
             with torch.compiler.set_stance("fail_on_recompile" if self.frozen else "default"):
-                hidden, aux = self.compiled(padded, self.slot_views[slot])
+                hidden, aux = self.compiled(padded, self.cache.tables(slot, 1))
         except RuntimeError as error:  # torch raises a plain RuntimeError for the stance
             if not (self.frozen and "fail_on_recompile" in str(error)):
                 raise
             length = padded.shape[1]
             message = f"a {length}-token prefill needs a graph the warm-up did not compile; it runs eagerly"
             warnings.warn(message, stacklevel=2)
-            hidden, aux = self._forward(padded, self.slot_views[slot])
+            hidden, aux = self._forward(padded, self.cache.tables(slot, 1))
         return hidden[:, :n], None if aux is None else aux[:, :n]

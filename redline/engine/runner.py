@@ -178,7 +178,7 @@ class ModelRunner:
         if self.compiled_prefill is not None:
             hidden, aux = self.compiled_prefill(tokens, slot)
         else:
-            hidden, aux = self.model(tokens, positions, self.cache.layers, slot, kv_len)
+            hidden, aux = self.model(tokens, positions, self.cache.layers, self.cache.tables(slot, 1), kv_len)
         if params.greedy:
             first = self.model.greedy_tokens(hidden[:, -1:])  # [1, 1]
         else:
@@ -195,7 +195,7 @@ class ModelRunner:
                 torch.tensor([n - 1], device=self.device),
                 self.k,
                 self.draft_cache.layers[0],
-                slot,
+                self.draft_cache.tables(slot, 1),
                 kv_len,
                 row,
                 not params.greedy,

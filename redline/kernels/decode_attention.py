@@ -29,22 +29,21 @@ import triton.language as tl
 from torch.library import triton_op
 from triton.language.extra.cuda import gdc_wait
 
+from redline.engine.kv_cache import gather_blocks
 from redline.kernels.launch import is_interpreted, traceable
 from redline.layers.reduced_attention import sdpa_attention
 
 
 def decode_attention_reference(
     q: torch.Tensor,  # [B, T, Hq, D]
-    k_cache: torch.Tensor,  # [slots, Hkv, L, D]
+    k_cache: torch.Tensor,  # [blocks, Hkv, BLOCK, D]
     v_cache: torch.Tensor,
     positions: torch.Tensor,  # [B, T] absolute positions of the queries
-    slot_start: int,
+    tables: torch.Tensor,  # [B, blocks per sequence] int32 (engine/kv_cache.py)
     kv_len: int,
     chunk: int = 0,  # attention chunk size (0: none)
 ) -> torch.Tensor:  # [B, T, Hq, D]
-    b = q.shape[0]
-    keys = k_cache[slot_start : slot_start + b, :, :kv_len]
-    values = v_cache[slot_start : slot_start + b, :, :kv_len]
+    keys, values = gather_blocks(k_cache, tables, kv_len), gather_blocks(v_cache, tables, kv_len)
     key_pos = torch.arange(kv_len, device=q.device)[None, None, None, :]
     query_pos = positions[:, None, :, None]
     mask = key_pos <= query_pos
@@ -55,12 +54,13 @@ def decode_attention_reference(
 
 # ints that change from call to call: not specialized (Triton would compile a variant for values that are
 # 1 or multiples of 16, and a new variant mid-serving is a latency spike)
-@triton.jit(do_not_specialize=["slot_start", "kv_len", "split_len"])
+@triton.jit(do_not_specialize=["kv_len", "split_len"])
 def _split_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
     pos_ptr,
+    table_ptr,
     acc_ptr,
     m_ptr,
     l_ptr,
@@ -70,8 +70,8 @@ def _split_kernel(
     stride_kb,
     stride_kh,
     stride_kn,
+    stride_tb,
     num_tokens,  # T
-    slot_start,
     kv_len,
     chunk,
     sm_scale,
@@ -83,6 +83,7 @@ def _split_kernel(
     D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    KV_BLOCK: tl.constexpr,  # positions per cache block
     DOT_FP32: tl.constexpr,  # products in fp32 (fp32 queries, the interpreter), else in q's dtype
     PRECISION: tl.constexpr,  # of fp32 products (prefill_attention.py)
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (Hopper+)
@@ -107,14 +108,16 @@ def _split_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    kv_base = (slot_start + b).to(tl.int64) * stride_kb + h * stride_kh  # past 2^31 in large caches
     start = split * split_len
     # the interpreter's range() takes no runtime bound (int() of its 1-element scalars, refused by numpy
     # >= 2.4): it gets the length as a constant
     for offset in range(0, INTERPRETED_SPLIT_LEN if INTERPRETED_SPLIT_LEN else split_len, BLOCK_N):
         n = start + offset + tl.arange(0, BLOCK_N)
         n_ok = (n < kv_len) & (n < start + split_len)
-        kv_offsets = kv_base + n[:, None] * stride_kn + dims[None, :]
+        # position n sits in block table[b, n // KV_BLOCK], row n % KV_BLOCK; int64: large caches pass 2^31
+        block = tl.load(table_ptr + b * stride_tb + n // KV_BLOCK, mask=n_ok, other=0).to(tl.int64)
+        row = (n % KV_BLOCK)[:, None] * stride_kn
+        kv_offsets = block[:, None] * stride_kb + h * stride_kh + row + dims[None, :]
         k = tl.load(k_ptr + kv_offsets, mask=n_ok[:, None], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale  # [BLOCK_M, BLOCK_N]
         visible = (
@@ -141,7 +144,7 @@ def decode_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     positions: torch.Tensor,
-    slot_start: int,
+    tables: torch.Tensor,
     kv_len: int,
     chunk: int = 0,
     num_splits: int = 4,
@@ -167,6 +170,7 @@ def decode_attention(
         k_cache,
         v_cache,
         positions.contiguous(),
+        tables,
         acc,
         m,
         denom,
@@ -176,8 +180,8 @@ def decode_attention(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        tables.stride(0),
         t,
-        slot_start,
         kv_len,
         chunk,
         1.0 / math.sqrt(d),
@@ -189,6 +193,7 @@ def decode_attention(
         D=d,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        KV_BLOCK=k_cache.shape[2],
         DOT_FP32=fp32 or interpreted,
         PRECISION="tf32x3" if fp32 and not interpreted else "ieee",  # 16-bit products ignore it
         USE_PDL=pdl,

@@ -45,34 +45,35 @@ LOG2E = 1.4426950408889634
 
 def prefill_attention_reference(
     q: torch.Tensor,  # [B, T, Hq, D]
-    k_cache: torch.Tensor,  # [slots, Hkv, L, D]
+    k_cache: torch.Tensor,  # [blocks, Hkv, BLOCK, D]
     v_cache: torch.Tensor,
     positions: torch.Tensor,  # [B, T] absolute positions of the queries
-    slot_start: int,
+    tables: torch.Tensor,  # [B, blocks per sequence] int32
     kv_len: int,
     chunk: int = 0,
 ) -> torch.Tensor:  # [B, T, Hq, D]
-    """SDPA over the cache slice, fp32: the same function as the decode kernel's reference."""
-    return decode_attention_reference(q, k_cache, v_cache, positions, slot_start, kv_len, chunk)
+    """SDPA over the rows' cache positions, fp32: the same function as the decode kernel's reference."""
+    return decode_attention_reference(q, k_cache, v_cache, positions, tables, kv_len, chunk)
 
 
 # ints that change from prompt to prompt: not specialized (Triton would compile a variant for values that
 # are 1 or multiples of 16, and a new variant mid-serving is a latency spike)
-@triton.jit(do_not_specialize=["num_tokens", "slot_start", "kv_len"])
+@triton.jit(do_not_specialize=["num_tokens", "kv_len"])
 def _prefill_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
     pos_ptr,
+    table_ptr,
     out_ptr,
     stride_qb,  # q and out: contiguous [B, T, Hq, D]
     stride_qt,
-    stride_kb,  # caches: [slots, Hkv, L, D], last dimension contiguous
+    stride_kb,  # caches: [blocks, Hkv, KV_BLOCK, D], last dimension contiguous
     stride_kh,
     stride_kn,
+    stride_tb,  # tables: [B, blocks per sequence]
     num_tokens,  # T
     num_heads,  # Hq
-    slot_start,
     kv_len,
     chunk,
     qk_scale,  # log2(e) / sqrt(D)
@@ -80,6 +81,7 @@ def _prefill_kernel(
     D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    KV_BLOCK: tl.constexpr,  # positions per cache block
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,  # of fp32 products: "tf32x3" (tensor cores, ~fp32 accuracy), "ieee"
     INTERPRETED_LEN: tl.constexpr,  # kv_len under the interpreter, 0 compiled (see the loop)
@@ -109,12 +111,14 @@ def _prefill_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    # int64: a cache of 16 slots x 8 kv heads x 131,072 positions x 128 holds 2^31 entries
-    kv_base = (slot_start + b).to(tl.int64) * stride_kb + (head // G) * stride_kh
     for start in range(first, last, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = (n >= lo) & (n < hi)  # the interpreter computes exactly what the skipping loop sees
-        kv_offsets = kv_base + n[:, None] * stride_kn + dims[None, :]
+        # position n sits in block table[b, n // KV_BLOCK] at row n % KV_BLOCK; int64: a cache of 16 x
+        # 131,072 positions x 8 kv heads x 128 holds 2^31 entries
+        block = tl.load(table_ptr + b * stride_tb + n // KV_BLOCK, mask=n_ok, other=0).to(tl.int64)
+        row = (n % KV_BLOCK)[:, None] * stride_kn
+        kv_offsets = block[:, None] * stride_kb + (head // G) * stride_kh + row + dims[None, :]
         k = tl.load(k_ptr + kv_offsets, mask=n_ok[:, None], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         visible = n_ok[None, :] & (n[None, :] <= q_pos[:, None]) & (n[None, :] >= lowest[:, None])
@@ -137,7 +141,7 @@ def prefill_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     positions: torch.Tensor,
-    slot_start: int,
+    tables: torch.Tensor,
     kv_len: int,
     chunk: int = 0,
     block_m: int = 64,
@@ -156,15 +160,16 @@ def prefill_attention(
         k_cache,
         v_cache,
         positions.contiguous(),
+        tables,
         out,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        tables.stride(0),
         t,
         hq,
-        slot_start,
         kv_len,
         chunk,
         LOG2E / math.sqrt(d),
@@ -172,6 +177,7 @@ def prefill_attention(
         D=d,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        KV_BLOCK=k_cache.shape[2],
         DOT_FP32=fp32 or interpreted,
         PRECISION="tf32x3" if fp32 and not interpreted else "ieee",  # 16-bit products ignore it
         INTERPRETED_LEN=kv_len if interpreted else 0,

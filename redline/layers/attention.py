@@ -1,4 +1,4 @@
-"""Grouped-query attention over a slot-indexed KV cache, with Llama 4's per-layer variations."""
+"""Grouped-query attention over a block KV cache (engine/kv_cache.py), with Llama 4's per-layer variations."""
 
 from __future__ import annotations
 
@@ -9,14 +9,15 @@ import torch
 from torch import nn
 
 from redline.config import ModelConfig
+from redline.engine.kv_cache import BLOCK, gather_blocks
 from redline.layers.linear import Linear
 from redline.layers.norm import rms_normalize
 from redline.layers.reduced_attention import STEP_QUERIES, sdpa_attention
 from redline.layers.rotary import Rotary
 from redline.quant.fp8 import FP8, FP8_MAX
 
-# (q [B, T, Hq, D], k_cache, v_cache [slots, Hkv, L, D], positions [B, T], slot_start, kv_len, chunk)
-#   -> [B, T, Hq, D]: attention of the T queries over cache positions [0, kv_len) of their slots
+# (q [B, T, Hq, D], k_cache, v_cache [blocks, Hkv, BLOCK, D], positions [B, T], tables [B, n] int32, kv_len,
+#  chunk) -> [B, T, Hq, D]: attention of the T queries over positions [0, kv_len) of their block tables
 CachedAttention = Callable[..., torch.Tensor]
 
 
@@ -24,14 +25,14 @@ CachedAttention = Callable[..., torch.Tensor]
 class AttentionBatch:
     """Per-forward metadata shared by every layer.
 
-    The KV cache is indexed by absolute position: slot s keeps the key of position p at [s, :, p].
-    A forward over rows slot_start .. slot_start + B - 1 writes its T new keys at `positions`
-    and attends over cache positions 0 .. kv_len - 1, masked by position, so entries left over
-    from rejected tokens or earlier requests are never seen.
+    The KV cache is indexed by absolute position through block tables: row b keeps the key of position
+    p in block tables[b, p // BLOCK] at row p % BLOCK. A forward writes its T new keys at `positions`
+    and attends over positions 0 .. kv_len - 1, masked by position, so entries left over from rejected
+    tokens or earlier requests are never seen.
     """
 
     positions: torch.Tensor  # [B, T] absolute position of each new token
-    slot_start: int
+    tables: torch.Tensor | None  # [B, blocks per sequence] int32; None without a cache
     kv_len: int  # keys attended: cache positions [0, kv_len)
     full_mask: torch.Tensor  # [B, 1, T, kv_len] bool, causal
     chunked_mask: torch.Tensor | None  # [B, 1, T, kv_len] bool, causal and same chunk
@@ -46,7 +47,7 @@ class AttentionBatch:
         rotary: Rotary,
         positions: torch.Tensor,
         key_positions: torch.Tensor,  # [B or 1, kv_len]
-        slot_start: int,
+        tables: torch.Tensor | None,  # [B, blocks per sequence] int32
     ) -> AttentionBatch:
         q = positions[:, None, :, None]  # [B, 1, T, 1]
         k = key_positions[:, None, None, :]  # [B|1, 1, 1, S]
@@ -62,7 +63,7 @@ class AttentionBatch:
             steps = torch.floor((positions.float() + 1.0) / config.floor_scale)
             temperature = (1.0 + config.attn_scale * torch.log1p(steps))[:, :, None, None]
         cos, sin = rotary.cos_sin(positions)
-        return cls(positions, slot_start, key_positions.shape[-1], full, chunked, cos, sin, temperature)
+        return cls(positions, tables, key_positions.shape[-1], full, chunked, cos, sin, temperature)
 
 
 # a pytree node, so that a decoder layer called with it can be a nested compile region (models/llama.py)
@@ -98,7 +99,7 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,  # [B, T, hidden]
         batch: AttentionBatch,
-        cache: tuple[torch.Tensor, torch.Tensor] | None,  # k, v: [slots, kv_heads, max_len, head_dim]
+        cache: tuple[torch.Tensor, torch.Tensor] | None,  # k, v: [blocks, kv_heads, BLOCK, head_dim]
     ) -> torch.Tensor:
         q, k, v = self.project(x, batch)
         if cache is None:  # no cache: the T tokens attend to each other
@@ -108,13 +109,11 @@ class Attention(nn.Module):
             # A decode step has K + 1 <= STEP_QUERIES queries, a static int; a compiled prefill's length
             # is a dynamic dimension >= 16, which this comparison only guards (> 9), never splits.
             kernel = self.step_kernel if x.shape[1] <= STEP_QUERIES else self.prefill_kernel
+            assert batch.tables is not None
             if kernel is not None:
-                out = kernel(q, *cache, batch.positions, batch.slot_start, batch.kv_len, self.chunk)
+                out = kernel(q, *cache, batch.positions, batch.tables, batch.kv_len, self.chunk)
                 return self.o_proj(out.reshape(*x.shape[:2], -1))
-            keys, values = (
-                c[batch.slot_start : batch.slot_start + x.shape[0], :, : batch.kv_len].to(k.dtype)
-                for c in cache
-            )
+            keys, values = (gather_blocks(c, batch.tables, batch.kv_len).to(k.dtype) for c in cache)
         mask = batch.chunked_mask if self.chunked else batch.full_mask
         return self.attend(q, keys, values, mask)
 
@@ -152,15 +151,16 @@ class Attention(nn.Module):
         v: torch.Tensor,
         batch: AttentionBatch,
     ) -> None:
-        """Stores the new keys and values of slot slot_start + b at their absolute positions.
+        """Stores the new keys and values of each row at their absolute positions, through its block table.
 
         One index_put_ on the cache tensor itself, not on a view of it: a compiled step writes the draft's
         cache three times, and through views the compiler copied the whole cache in and out every step.
-        Indices broadcast to [B, T, kv_heads]: slot_start 2, positions [[7, 8]], 3 heads -> entries
-        [2, h, 7] and [2, h, 8] for h = 0, 1, 2 take k[0, 0, h] and k[0, 1, h]."""
-        b, _, heads, _ = k.shape
-        slots = torch.arange(batch.slot_start, batch.slot_start + b, device=k.device)
-        index = (slots[:, None, None], torch.arange(heads, device=k.device), batch.positions[:, :, None])
+        Indices broadcast to [B, T, kv_heads]: tables [[4, 9]], positions [[15, 16]], BLOCK 16, 3 heads ->
+        entries [4, h, 15] and [9, h, 0] for h = 0, 1, 2 take k[0, 0, h] and k[0, 1, h]."""
+        assert batch.tables is not None
+        blocks = batch.tables.gather(1, batch.positions // BLOCK).long()  # [B, T]
+        heads = torch.arange(k.shape[2], device=k.device)
+        index = (blocks[:, :, None], heads, (batch.positions % BLOCK)[:, :, None])
         for store, new in zip(cache, (k, v), strict=True):
             if store.dtype == FP8:  # FP8 cache (scale 1): saturate, e4m3 has no infinity
                 new = new.clamp(-FP8_MAX, FP8_MAX)

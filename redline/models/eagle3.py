@@ -158,12 +158,12 @@ class Eagle3Draft(nn.Module):
         next_tokens: torch.Tensor,  # [B, T] the token at p + 1 for each row
         hidden: torch.Tensor,  # [B, T, H]
         positions: torch.Tensor,  # [B, T] p
-        cache: KVLayer | None,  # [slots, kv_heads, max_len, head_dim] each
-        slot_start: int = 0,
+        cache: KVLayer | None,  # [blocks, kv_heads, BLOCK, head_dim] each
+        tables: torch.Tensor | None = None,  # [B, blocks per sequence] int32
         kv_len: int | None = None,
     ) -> torch.Tensor:  # [B, T, H] the draft's hidden state (before the final norm)
         key_positions = positions if cache is None else torch.arange(kv_len, device=positions.device)[None]
-        batch = AttentionBatch.build(self.config.layer, self.rotary, positions, key_positions, slot_start)
+        batch = AttentionBatch.build(self.config.layer, self.rotary, positions, key_positions, tables)
         return self.midlayer(self.embed(next_tokens), hidden, batch, cache)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., draft_vocab] fp32

@@ -104,8 +104,8 @@ class LlamaForCausalLM(nn.Module):
         self,
         tokens: torch.Tensor,  # [B, T]
         positions: torch.Tensor,  # [B, T] absolute positions
-        cache: list[KVLayer] | None = None,  # per layer k, v [slots, kv_heads, max_len, head_dim]
-        slot_start: int = 0,  # rows of this batch are cache slots slot_start .. slot_start + B - 1
+        cache: list[KVLayer] | None = None,  # per layer k, v [blocks, kv_heads, BLOCK, head_dim]
+        tables: torch.Tensor | None = None,  # [B, blocks per sequence] int32: each row's blocks
         kv_len: int | None = None,  # cache positions attended (a static bucket), required with a cache
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns the final normed hidden states [B, T, hidden] and, when aux_layers is set, the
@@ -113,9 +113,9 @@ class LlamaForCausalLM(nn.Module):
         if cache is None:
             key_positions = positions
         else:
-            assert kv_len is not None, "a cached forward needs a static kv_len"
+            assert kv_len is not None and tables is not None, "a cached forward needs tables and a kv_len"
             key_positions = torch.arange(kv_len, device=tokens.device)[None]
-        batch = AttentionBatch.build(self.config, self.model.rotary, positions, key_positions, slot_start)
+        batch = AttentionBatch.build(self.config, self.model.rotary, positions, key_positions, tables)
         x = self.model.embed_tokens(tokens)
         captured = {}
         for i, layer in enumerate(self.model.layers):

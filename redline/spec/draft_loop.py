@@ -20,13 +20,13 @@ def propose(
     row: torch.Tensor,  # [B] the last row whose next token is known (the chain continues from it)
     k: int,
     cache: KVLayer,
-    slot_start: int,
+    tables: torch.Tensor,  # [B, blocks per sequence] int32
     kv_len: int,
     sampling: SamplingTensors,
     any_sampling: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns draft tokens [B, K] (target ids) and, when sampling, their distributions [B, K, V_draft]."""
-    hidden = draft(next_tokens, draft.fuse(aux), positions, cache, slot_start, kv_len)  # [B, T, H]
+    hidden = draft(next_tokens, draft.fuse(aux), positions, cache, tables, kv_len)  # [B, T, H]
     h = hidden.gather(1, row[:, None, None].expand(-1, 1, hidden.shape[-1]))  # [B, 1, H]
     position = positions.gather(1, row[:, None])  # [B, 1] the row at p predicts the token at p + 2
     tokens, probs = [], []
@@ -41,5 +41,5 @@ def propose(
         tokens.append(token)
         if step < k - 1:
             position = position + 1
-            h = draft(token, h, position, cache, slot_start, kv_len)
+            h = draft(token, h, position, cache, tables, kv_len)
     return torch.cat(tokens, dim=1), torch.cat(probs, dim=1) if any_sampling else None

@@ -75,7 +75,7 @@ class DecodeStep:
         pos = torch.where(active, st.pos[:rows], 0)
         sampling = self.sampling.rows(0, rows)
         positions = pos[:, None] + torch.arange(k + 1, device=pos.device)  # [B, K + 1]
-        hidden, aux = self.target(pending, positions, self.cache.layers, 0, kv_len)
+        hidden, aux = self.target(pending, positions, self.cache.layers, self.cache.tables(0, rows), kv_len)
         if not any_sampling:  # argmax only: under tensor parallelism, no logits gathered
             emitted = self.target.greedy_tokens(hidden)  # [B, K + 1]
             emitted, n_acc = greedy_verify(emitted, pending[:, 1:]) if self.draft else (emitted, None)
@@ -101,7 +101,7 @@ class DecodeStep:
                 n_acc,
                 k,
                 self.draft_cache.layers[0],
-                0,
+                self.draft_cache.tables(0, rows),
                 kv_len,
                 sampling,
                 any_sampling,
