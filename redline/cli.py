@@ -28,6 +28,31 @@ def add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-parallel", action="store_true", help=help)
 
 
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """ "2GiB" -> 2,147,483,648; "512MB" -> 512,000,000; "4096" -> 4,096 (a trailing "b" is optional)."""
+    number = text.strip().rstrip("bB").rstrip()
+    unit = ""
+    while number and number[-1].isalpha():
+        unit, number = number[-1].lower() + unit, number[:-1]
+    factor = _UNITS.get(unit[:-1] + "ib" if unit.endswith("i") else unit)
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if factor is None or value < 0:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 4096, 512MB, 2GiB)")
+    return int(value * factor)
+
+
+def add_kv_memory_arg(p: argparse.ArgumentParser) -> None:
+    help = "memory for KV blocks, e.g. 2GiB (default: every slot's whole context); the newest request is "
+    help += "preempted and recomputed when they run out"
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES", help=help)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from redline import LLM, SamplingParams
 
@@ -49,6 +74,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         compile=args.compile,
         pdl=args.pdl,
         kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_memory=args.kv_cache_memory,
         max_batch=1,
         tensor_parallel_size=args.tensor_parallel_size,
         expert_parallel=args.expert_parallel,
@@ -403,6 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--pdl", action="store_true", help="programmatic dependent launch (Hopper+ GPUs)")
     g.add_argument("--kv-cache-dtype", default=None, help="fp8 | bfloat16 | float32 (default: the model's)")
+    add_kv_memory_arg(g)
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("info", help="print the architecture, sizes and layer pattern")

@@ -68,6 +68,7 @@ def test_cached_prefill_then_decode_matches_full_forward(pair):
     with torch.no_grad():
         expected = hf(tokens).logits[0]
     runner, model = llm.runner, llm.model
+    assert runner.reserve(1, 70)  # blocks for positions 0 .. 69 of slot 1
     layers, tables = runner.cache.layers, runner.cache.tables(1, 1)
     with torch.no_grad():
         hidden, _ = model(tokens[:, :30], torch.arange(30)[None], layers, tables, kv_len=64)

@@ -3,9 +3,10 @@
 Each layer keeps keys and values as [num_blocks, kv_heads, BLOCK, head_dim]; a sequence's position p sits
 in block table[p // BLOCK] at row p % BLOCK (BLOCK = 16: position 37 is row 5 of the table's third
 block). Every forward takes its rows' block tables ([B, blocks per sequence] int32) instead of slot
-numbers: writes and reads go through them, so which blocks a sequence holds is the caller's choice
-(engine/blocks.py). Each slot here owns a fixed run of blocks: slot s holds blocks
-[s M, (s + 1) M), M = max_len // BLOCK + 1.
+numbers: writes and reads go through them, so which blocks a sequence holds is the caller's choice.
+Without num_blocks each slot owns a fixed run of blocks: slot s holds blocks [s M, (s + 1) M),
+M = max_len // BLOCK + 1. With it (the engine's runner: a pool sized from a KV budget) the table
+starts empty (zeros) and the runner fills each slot's row from its block pool (engine/blocks.py).
 """
 
 import torch
@@ -17,17 +18,25 @@ BLOCK = 16  # token positions per block
 
 class KVCache:
     def __init__(
-        self, config: ModelConfig, slots: int, max_len: int, dtype: torch.dtype, device: torch.device
+        self,
+        config: ModelConfig,
+        slots: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_blocks: int | None = None,  # None: a fixed run of blocks per slot
     ):
         self.slots, self.max_len = slots, max_len
         per_slot = max_len // BLOCK + 1  # what gather_blocks reads at kv_len = max_len
-        shape = (slots * per_slot, config.num_kv_heads, BLOCK, config.head_dim)
+        shape = (num_blocks or slots * per_slot, config.num_kv_heads, BLOCK, config.head_dim)
         self.layers = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(config.num_layers)
         ]
         # slot s -> its blocks, e.g. 2 slots of 3 blocks: [[0, 1, 2], [3, 4, 5]]
         self.table = torch.arange(slots * per_slot, dtype=torch.int32, device=device).view(slots, per_slot)
+        if num_blocks is not None:
+            self.table = torch.zeros_like(self.table)
 
     @property
     def nbytes(self) -> int:

@@ -98,6 +98,7 @@ class LLM:
         progress: bool = True,
         tensor_parallel_size: int = 1,
         expert_parallel: bool = False,
+        kv_cache_memory: int | None = None,
     ):
         """dtype "fp8" means bfloat16 activations with FP8 weights (quantization="fp8"); pdl launches the
         Triton kernels with programmatic dependent launch (Hopper or newer GPUs); kv_cache_dtype "fp8"
@@ -107,7 +108,10 @@ class LLM:
         compiles and captures every shape the engine can meet, with a progress bar unless progress=False;
         `warmup_s` says how long it took. tensor_parallel_size N > 1 splits the model over N processes
         (parallel/): this one and N - 1 workers it starts, one GPU each on CUDA; close() stops them. With
-        expert_parallel each rank holds E / N whole Llama 4 experts instead of a block of every one."""
+        expert_parallel each rank holds E / N whole Llama 4 experts instead of a block of every one.
+        kv_cache_memory (bytes) sizes the pool of KV blocks (engine/blocks.py) the requests share; by default
+        it holds every slot's whole context. With less, the newest request is preempted (and recomputed
+        later) when the pool runs dry."""
         model_dir = Path(model)
         if dtype == "fp8":
             dtype, quantization = "bfloat16", "fp8"
@@ -134,7 +138,8 @@ class LLM:
             raise ValueError("expert_parallel needs tensor_parallel_size > 1")
         spec = RunnerSpec(str(model_dir), torch_dtype, device, max_batch, self.max_seq_len,
                           None if draft is None else str(draft), num_draft_tokens, compile, pdl,
-                          _kv_dtype(kv_cache_dtype), quantization, expert_parallel)  # fmt: skip
+                          _kv_dtype(kv_cache_dtype), quantization, expert_parallel,
+                          kv_cache_memory)  # fmt: skip
         if tensor_parallel_size > 1:
             self.runner = self._start_ranks(tensor_parallel_size, spec)
         else:

@@ -22,6 +22,7 @@ class Completion:
     acceptance_length: float | None = None  # speculation: mean tokens emitted per decode step
     acceptance_rates: list[float] | None = None  # per draft position: fraction of steps accepting it
     decode_steps: int = 0  # steps after prefill that produced this completion's tokens
+    preemptions: int = 0  # times its KV blocks were taken back and its tokens recomputed
     error: str | None = None  # why the engine failed this request (finish_reason "error")
 
     @property
@@ -46,6 +47,7 @@ class Request:
     finished_at: float | None = None
     slot: int | None = None
     steps: int = 0  # decode steps taken
+    preemptions: int = 0  # times the scheduler took its KV blocks back (it was prefilled again)
     accepted_at: list[int] = field(default_factory=list)  # per draft position: steps that accepted it
 
     def __post_init__(self) -> None:
@@ -128,6 +130,7 @@ class Request:
             latency_s=latency,
             tokens_per_s=(n - 1) / decode_time if n > 1 and decode_time > 0 else float("nan"),
             decode_steps=self.steps,
+            preemptions=self.preemptions,
             error=self.error,
             **self.acceptance(),
         )

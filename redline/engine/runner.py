@@ -13,10 +13,11 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
+from redline.engine.blocks import BlockPool, BlockTable, OutOfBlocks
 from redline.engine.compiled_prefill import CompiledPrefill, warm_up_lengths
 from redline.engine.compiled_step import CompiledStep
 from redline.engine.cuda_graphs import GraphedStep
-from redline.engine.kv_cache import KVCache
+from redline.engine.kv_cache import BLOCK, KVCache
 from redline.kernels.select import (
     compile_by_default,
     pdl_supported,
@@ -51,6 +52,7 @@ class ModelRunner:
         pdl: bool = False,
         kv_cache_dtype: torch.dtype | None = None,  # None: the model's dtype; torch.float8_e4m3fn halves it
         cuda_graphs: bool | None = None,  # None: on CUDA devices
+        kv_cache_memory: int | None = None,  # bytes of KV blocks (None: every slot's whole context)
     ):
         self.model, self.draft = model, draft
         self.k = num_draft_tokens if draft is not None else 0
@@ -67,10 +69,25 @@ class ModelRunner:
         self.max_len = max_len  # prompt + output tokens of a request
         self.cache_len = max_len + 2 * self.k + 1
         kv_dtype = kv_cache_dtype or param.dtype
-        self.cache = KVCache(model.config, slots, self.cache_len, kv_dtype, self.device)
+        # a step writes up to pos + 2K (the draft chain): blocks for positions [0, pos + lookahead)
+        self.lookahead = 2 * self.k + 2
+        configs = [model.config] + ([draft.config.layer] if draft is not None else [])
+        self.block_bytes = sum(
+            2 * c.num_layers * c.num_kv_heads * BLOCK * c.head_dim * kv_dtype.itemsize for c in configs
+        )  # fmt: skip
+        self.pool = BlockPool(self._pool_blocks(slots, kv_cache_memory), BLOCK)
+        self.block_tables = [BlockTable(self.pool) for _ in range(slots)]
+        # one block past the pool: free rows (which compute at position 0) and table entries past a slot's
+        # blocks point at it, so their writes land nowhere anyone reads
+        self.scratch_block = self.pool.num_blocks
+        blocks = self.pool.num_blocks + 1
+        self.cache = KVCache(model.config, slots, self.cache_len, kv_dtype, self.device, blocks)
+        self.cache.table.fill_(self.scratch_block)
         self.draft_cache = None
         if draft is not None:
-            self.draft_cache = KVCache(draft.config.layer, slots, self.cache_len, kv_dtype, self.device)
+            layer = draft.config.layer
+            self.draft_cache = KVCache(layer, slots, self.cache_len, kv_dtype, self.device, blocks)
+            self.draft_cache.table = self.cache.table  # the same positions: the same blocks
         draft_vocab = draft.config.draft_vocab_size if draft is not None else None
         self.state = DecodeState.empty(slots, self.k, draft_vocab, self.device)
         self.sampling = SamplingTensors(
@@ -104,6 +121,31 @@ class ModelRunner:
     @property
     def slots(self) -> int:
         return self.cache.slots
+
+    def _pool_blocks(self, slots: int, kv_cache_memory: int | None) -> int:
+        """Blocks of the KV pool: kv_cache_memory / block bytes, or every slot's whole context."""
+        if kv_cache_memory is None:
+            return slots * -(-self.cache_len // BLOCK)
+        blocks = kv_cache_memory // self.block_bytes
+        if blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory {kv_cache_memory:,} bytes holds no KV block ({self.block_bytes:,} bytes "
+                f"each: {BLOCK} positions of every layer's keys and values, target and draft)"
+            )
+        return blocks
+
+    def reserve(self, slot: int, positions: int) -> bool:
+        """Blocks for positions [0, positions) of `slot`; False, taking none, when the pool is short."""
+        table = self.block_tables[slot]
+        held = len(table.blocks)
+        try:
+            table.ensure(min(positions, self.cache_len))
+        except OutOfBlocks:
+            return False
+        if len(table.blocks) > held:
+            new = torch.tensor(table.blocks[held:], dtype=torch.int32)
+            self.cache.table[slot, held : len(table.blocks)] = new.to(self.device)
+        return True
 
     def kv_len_for(self, last_position: int) -> int:
         """Cache positions a forward must see when the furthest slot's pending token sits at last_position."""
@@ -234,6 +276,8 @@ class ModelRunner:
     def release(self, slot: int) -> None:
         self.state.active[slot] = False
         self.sampling_slots.discard(slot)
+        self.block_tables[slot].release()
+        self.cache.table[slot] = self.scratch_block
 
     def _set_sampling(self, slot: int, params: SamplingParams, seed: int) -> None:
         s = self.sampling

@@ -64,6 +64,7 @@ class RunnerSpec:
     kv_cache_dtype: torch.dtype | None
     quantization: str | None
     expert_parallel: bool = False
+    kv_cache_memory: int | None = None
 
     def on_rank(self, rank: int) -> RunnerSpec:
         return replace(self, device=f"cuda:{rank}") if self.device.startswith("cuda") else self
@@ -73,7 +74,7 @@ def build_runner(spec: RunnerSpec, tp: TensorParallel) -> ModelRunner:
     model = load_target(spec.model_dir, spec.dtype, spec.device, spec.quantization, tp=tp)
     draft = None if spec.draft is None else load_draft(spec.draft, model, spec.dtype, spec.device)
     return ModelRunner(model, spec.max_batch, spec.max_seq_len, draft, spec.num_draft_tokens, spec.compile,
-                       spec.pdl, spec.kv_cache_dtype)  # fmt: skip
+                       spec.pdl, spec.kv_cache_dtype, kv_cache_memory=spec.kv_cache_memory)  # fmt: skip
 
 
 def _backend(device: str) -> str:
@@ -152,6 +153,10 @@ class ParallelRunner:
 
     def release(self, slot: int) -> None:
         self._call("release", slot)
+
+    def reserve(self, slot: int, positions: int) -> bool:
+        """Every rank's pool takes the same decisions from the same calls: the same answer everywhere."""
+        return self._call("reserve", slot, positions)
 
     def log_probs(self, tokens: list[int]) -> torch.Tensor:
         return self._call("log_probs", tokens)

@@ -51,6 +51,7 @@ def serve(args: argparse.Namespace) -> int:
         args.model, dtype=args.dtype, device=args.device, max_batch=slots, max_seq_len=args.max_seq_len,
         draft=args.draft if speculate else None, num_draft_tokens=args.num_draft_tokens, compile=args.compile,
         tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel,
+        kv_cache_memory=args.kv_cache_memory,
     )  # fmt: skip
     if llm.warmup_s:
         log.info("warm-up: every prefill and step shape compiled in %.1f s", llm.warmup_s)
@@ -97,7 +98,7 @@ def serve(args: argparse.Namespace) -> int:
 def add_parser(sub) -> None:
     from pathlib import Path
 
-    from redline.cli import add_tensor_parallel_arg
+    from redline.cli import add_kv_memory_arg, add_tensor_parallel_arg
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("--model", required=True, type=Path)
@@ -113,6 +114,7 @@ def add_parser(sub) -> None:
     s.add_argument("--dtype", default="float32")
     s.add_argument("--device", default="cpu")
     add_tensor_parallel_arg(s)
+    add_kv_memory_arg(s)
     s.add_argument("--compile", action="store_true")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)

@@ -1,0 +1,114 @@
+"""The engine over a pool of KV blocks smaller than its slots' contexts: requests share it, the newest is
+preempted and recomputed when it runs dry, every request still gets the tokens it gets alone, and every
+block comes back."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from conftest import build_hf_model, llama3_hf_config, llama4_hf_config, save_hf_model
+
+from redline import LLM, SamplingParams
+from redline.cli import main, parse_bytes
+from redline.engine.failures import GenerationError
+from redline.engine.kv_cache import BLOCK
+from redline.models.random_init import write_random_draft
+
+
+@pytest.mark.parametrize(
+    ("config", "draft"),
+    [(llama3_hf_config, False), (llama3_hf_config, True), (llama4_hf_config, True)],
+    ids=["llama3", "llama3-eagle3", "llama4-eagle3"],
+)
+def test_a_small_pool_preempts_and_every_request_gets_its_own_tokens(tmp_path, tokenizer_dir, config, draft):
+    """4 slots, prompts of 21 to 45 tokens (crossing block boundaries) and 30 new tokens each, over a pool
+    of 9 blocks of 16 positions: one request needs up to 5 (75 positions + the step's lookahead), so four
+    at once do not fit. Greedy tokens (and a seeded sampled request's, without a draft) equal each
+    request's alone in a full-size cache; requests were preempted; the pool is whole afterwards."""
+    hf = build_hf_model(config(), seed=int(torch.randint(0, 2**31, ())))
+    target = save_hf_model(hf, tmp_path / "t", tokenizer_dir)
+    kw = dict(dtype="float32", max_batch=4, max_seq_len=128, compile=False, progress=False)
+    if draft:
+        kw.update(draft=write_random_draft(target, tmp_path / "d"), num_draft_tokens=3)
+    prompts = [torch.randint(5, 384, (n,)).tolist() for n in (45, 21, 33, 40)]
+    params = [SamplingParams(max_tokens=30, ignore_eos=True) for _ in prompts]
+    if not draft:
+        params[2] = SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.9, seed=3)
+    alone = LLM(target, **kw)
+    want = [alone.generate([p], q)[0].token_ids for p, q in zip(prompts, params, strict=True)]
+    small = LLM(target, kv_cache_memory=9 * alone.runner.block_bytes, **kw)
+    assert small.runner.pool.num_blocks == 9 and small.runner.cache.layers[0][0].shape[0] == 10  # + scratch
+    got = small.generate(prompts, params)
+    assert [c.token_ids for c in got] == want
+    assert sum(c.preemptions for c in got) > 0
+    pool = small.runner.pool
+    assert pool.available == pool.num_blocks and not any(pool.refs)
+
+
+def test_a_request_larger_than_the_pool_fails_and_names_the_sizes(tmp_path, tokenizer_dir):
+    """A pool of 3 blocks (48 positions) and a 60-token prompt: that request fails with an error naming
+    the pool; a short request beside it completes."""
+    target = save_hf_model(build_hf_model(llama3_hf_config(), seed=2), tmp_path / "t", tokenizer_dir)
+    kw = dict(dtype="float32", max_batch=2, max_seq_len=128, compile=False, progress=False)
+    block_bytes = LLM(target, **kw).runner.block_bytes
+    llm = LLM(target, kv_cache_memory=3 * block_bytes, **kw)
+    prompts = [torch.randint(5, 384, (60,)).tolist(), [5, 6, 7]]
+    with pytest.raises(GenerationError) as failed:
+        llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    long, short = failed.value.completions
+    assert long.finish_reason == "error"
+    assert "needs more KV blocks than the pool has (3 blocks of 16 positions)" in long.error
+    assert short.finish_reason == "length" and len(short.token_ids) == 8
+    with pytest.raises(ValueError, match="holds no KV block"):
+        LLM(target, kv_cache_memory=block_bytes - 1, **kw)
+
+
+def test_blocks_are_taken_as_a_request_grows(tmp_path, tokenizer_dir):
+    """A 20-token prompt with K = 0 takes blocks for 20 + 2 lookahead positions (2 blocks); 40 new tokens
+    later the request has reached position 59 and holds ceil((59 + 2) / 16) = 4; all return at the end."""
+    target = save_hf_model(build_hf_model(llama3_hf_config(), seed=3), tmp_path / "t", tokenizer_dir)
+    llm = LLM(target, dtype="float32", max_batch=1, max_seq_len=128, compile=False, progress=False)
+    runner, held = llm.runner, []
+    step = runner.decode
+
+    def recording(rows: int, last_position: int) -> list[list[int]]:
+        held.append(len(runner.block_tables[0].blocks))
+        return step(rows, last_position)
+
+    runner.decode = recording
+    llm.generate([torch.randint(5, 384, (20,)).tolist()], SamplingParams(max_tokens=41, ignore_eos=True))
+    assert held[0] == -(-(20 + runner.lookahead) // BLOCK) == 2 and held[-1] == 4
+    assert runner.pool.available == runner.pool.num_blocks
+
+
+def test_every_tensor_parallel_rank_takes_the_same_blocks(tmp_path, tokenizer_dir):
+    """Over 2 ranks with the memory of 9 one-process blocks (18 per rank: a rank holds 1 of the 2 KV
+    heads), each rank's pool answers the same reservations from the same calls: the preempting run gives
+    every request its tokens alone, with EAGLE-3 at K = 3."""
+    target = save_hf_model(build_hf_model(llama3_hf_config(), seed=5), tmp_path / "t", tokenizer_dir)
+    draft = write_random_draft(target, tmp_path / "d")
+    kw = dict(dtype="float32", max_batch=4, max_seq_len=128, compile=False, progress=False, draft=draft)
+    prompts = [torch.randint(5, 384, (n,)).tolist() for n in (45, 21, 33, 40)]
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    alone = LLM(target, **kw)
+    want = [alone.generate([p], params)[0].token_ids for p in prompts]
+    small = LLM(target, tensor_parallel_size=2, kv_cache_memory=9 * alone.runner.block_bytes, **kw)
+    try:
+        got = small.generate(prompts, params)
+    finally:
+        small.close()
+    assert [c.token_ids for c in got] == want and sum(c.preemptions for c in got) > 0
+
+
+def test_kv_cache_memory_flag_takes_sizes_and_names_a_pool_too_small(tmp_path, tokenizer_dir, capsys):
+    sizes = [parse_bytes(t) for t in ("4096", "512MB", "2GiB", "1.5 gb")]
+    assert sizes == [4096, 512 * 10**6, 2**31, 15 * 10**8]
+    with pytest.raises(argparse.ArgumentTypeError, match="not a size in bytes: '2XB'"):
+        parse_bytes("2XB")
+    target = save_hf_model(build_hf_model(llama3_hf_config(), seed=6), tmp_path / "t", tokenizer_dir)
+    argv = ["generate", "--model", str(target), "--prompt", "x", "--dtype", "float32", "--no-compile"]
+    assert main([*argv, "--kv-cache-memory", "1KB"]) != 0
+    assert "kv_cache_memory 1,000 bytes holds no KV block" in capsys.readouterr().err
+    assert main([*argv, "--kv-cache-memory", "1MiB", "--max-tokens", "5"]) == 0
