@@ -31,6 +31,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 def time_steps(runner: ModelRunner, prompt: list[int], steps: int) -> tuple[float, list[float]]:
     """Prefills `prompt` into slot 0; returns (first step seconds, later step seconds)."""
+    assert runner.reserve(0, runner.cache_len)  # KV blocks for the slot's whole context
     runner.prefill(0, prompt, SamplingParams(), seed=0)
     times = []
     for i in range(steps + 1):

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from redline.config import ModelConfig
+from redline.engine.kv_cache import BLOCK
 from redline.engine.runner import ModelRunner
 from redline.kernels.select import pdl_supported, prefill_tiles, triton_by_default
 from redline.layers.reduced_attention import sdpa_attention
@@ -62,6 +63,7 @@ def sync(device: torch.device) -> None:
 
 def time_step(runner: ModelRunner, graphed: bool, steps: int) -> float:
     """Seconds per decode step of slot 0 (prefilled with PROMPT tokens), the graph or the eager step."""
+    assert runner.reserve(0, runner.cache_len)  # KV blocks for the slot's whole context
     runner.prefill(0, list(range(5, 5 + PROMPT)), SamplingParams(), seed=0)
     kv_len = runner.kv_len_for(PROMPT + steps * (runner.k + 1))
     run = runner._run_step if graphed else runner.step
@@ -93,8 +95,12 @@ def prefill_attention_bench(config: ModelConfig, device: torch.device) -> dict:
     t, kv_len, d = LONG_PROMPT, 4096, config.head_dim
     q = torch.randn(1, t, config.num_heads, d, device=device, dtype=torch.bfloat16)
     k_cache, v_cache = (
-        torch.randn(2, 1, config.num_kv_heads, kv_len + 1, d, device=device).bfloat16().unbind(0)
+        torch.randn(2, 1, config.num_kv_heads, kv_len + BLOCK, d, device=device).bfloat16().unbind(0)
     )
+    # the same keys and values in blocks of 16 (engine/kv_cache.py) for the kernel: block j holds
+    # positions 16 j .. 16 j + 15, the table lists them in order
+    blocks = [c[0].unflatten(1, (-1, BLOCK)).transpose(0, 1).contiguous() for c in (k_cache, v_cache)]
+    tables = torch.arange(blocks[0].shape[0], device=device, dtype=torch.int32)[None]
     positions = torch.arange(t, device=device)[None]
     mask = (torch.arange(kv_len, device=device)[None, :] <= positions[0, :, None])[None, None]
     flops = 4 * d * config.num_heads * t * (t + 1) / 2
@@ -115,10 +121,10 @@ def prefill_attention_bench(config: ModelConfig, device: torch.device) -> dict:
 
         tiles = prefill_tiles(torch.bfloat16)
         triton_s = seconds_per_call(
-            lambda: prefill_attention(q, k_cache, v_cache, positions, 0, kv_len, **tiles), device
+            lambda: prefill_attention(q, *blocks, positions, tables, kv_len, **tiles), device
         )
         result["triton_ms"], result["triton_tflops"] = triton_s * 1e3, flops / triton_s / 1e12
-        got = prefill_attention(q, k_cache, v_cache, positions, 0, kv_len, **tiles)
+        got = prefill_attention(q, *blocks, positions, tables, kv_len, **tiles)
         result["triton_max_abs_diff_vs_sdpa"] = (got.float() - sdpa().float()).abs().max().item()
     print(f"prefill attention {t} tokens: {json.dumps(result)}")
     return result
@@ -128,6 +134,7 @@ def long_prefill_bench(model: LlamaForCausalLM, device: torch.device) -> dict:
     """A 4,000-token prompt through the whole model (eager, the runner's kernels): time to first token."""
     runner = ModelRunner(model, 1, LONG_PROMPT + 64, cuda_graphs=False)
     prompt = [5 + i % (model.config.vocab_size - 5) for i in range(LONG_PROMPT)]
+    assert runner.reserve(0, runner.cache_len)  # KV blocks for the slot's whole context
     seconds = seconds_per_call(lambda: runner.prefill(0, prompt, SamplingParams(), seed=0), device, repeats=2)
     result = {"tokens": LONG_PROMPT, "ms": seconds * 1e3, "tokens_per_s": LONG_PROMPT / seconds}
     print(f"prefill {LONG_PROMPT} tokens through the model: {json.dumps(result)}")

@@ -62,6 +62,7 @@ def timed_steps(runners: dict[str, ModelRunner], steps: int, last: dict[str, int
     each runner's last position."""
     prompt = torch.randint(5, 40_000, (PROMPT_LEN,), generator=torch.Generator().manual_seed(0)).tolist()
     for name, runner in runners.items():
+        assert runner.reserve(0, runner.cache_len)  # KV blocks for the slot's whole context
         runner.prefill(0, prompt, SamplingParams(), seed=0)
         last[name] = PROMPT_LEN
     times: dict[str, list[float]] = {name: [] for name in runners}

@@ -8,7 +8,13 @@ import argparse
 
 import pytest
 import torch
-from conftest import build_hf_model, llama3_hf_config, llama4_hf_config, save_hf_model
+from conftest import (
+    build_hf_model,
+    greedy_divergence_is_a_near_tie,
+    llama3_hf_config,
+    llama4_hf_config,
+    save_hf_model,
+)
 
 from redline import LLM, SamplingParams
 from redline.cli import main, parse_bytes
@@ -26,7 +32,8 @@ def test_a_small_pool_preempts_and_every_request_gets_its_own_tokens(tmp_path, t
     """4 slots, prompts of 21 to 45 tokens (crossing block boundaries) and 30 new tokens each, over a pool
     of 9 blocks of 16 positions: one request needs up to 5 (75 positions + the step's lookahead), so four
     at once do not fit. Greedy tokens (and a seeded sampled request's, without a draft) equal each
-    request's alone in a full-size cache; requests were preempted; the pool is whole afterwards."""
+    request's alone in a full-size cache (greedy: up to an fp32 near tie, as a recomputed prefix rounds
+    differently); requests were preempted; the pool is whole afterwards."""
     hf = build_hf_model(config(), seed=int(torch.randint(0, 2**31, ())))
     target = save_hf_model(hf, tmp_path / "t", tokenizer_dir)
     kw = dict(dtype="float32", max_batch=4, max_seq_len=128, compile=False, progress=False)
@@ -41,7 +48,11 @@ def test_a_small_pool_preempts_and_every_request_gets_its_own_tokens(tmp_path, t
     small = LLM(target, kv_cache_memory=9 * alone.runner.block_bytes, **kw)
     assert small.runner.pool.num_blocks == 9 and small.runner.cache.layers[0][0].shape[0] == 10  # + scratch
     got = small.generate(prompts, params)
-    assert [c.token_ids for c in got] == want
+    for prompt, q, c, alone_tokens in zip(prompts, params, got, want, strict=True):
+        if q.greedy:  # a recomputed prefix's logits differ from the incremental ones by fp32 rounding
+            assert greedy_divergence_is_a_near_tie(small.model, prompt, c.token_ids, alone_tokens)
+        else:
+            assert c.token_ids == alone_tokens
     assert sum(c.preemptions for c in got) > 0
     pool = small.runner.pool
     assert pool.available == pool.num_blocks and not any(pool.refs)
@@ -99,7 +110,9 @@ def test_every_tensor_parallel_rank_takes_the_same_blocks(tmp_path, tokenizer_di
         got = small.generate(prompts, params)
     finally:
         small.close()
-    assert [c.token_ids for c in got] == want and sum(c.preemptions for c in got) > 0
+    for prompt, c, alone_tokens in zip(prompts, got, want, strict=True):
+        assert greedy_divergence_is_a_near_tie(alone.model, prompt, c.token_ids, alone_tokens)
+    assert sum(c.preemptions for c in got) > 0
 
 
 def test_kv_cache_memory_flag_takes_sizes_and_names_a_pool_too_small(tmp_path, tokenizer_dir, capsys):

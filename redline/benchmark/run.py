@@ -134,6 +134,8 @@ def bench_redline(
 def draft_share(llm: LLM, prompt: list[int], steps: int = 10) -> float:
     """1 - (target forward over K + 1 tokens) / (whole eager step), both at the same KV bucket."""
     runner = llm.runner
+    if not runner.reserve(0, len(prompt) + runner.lookahead):
+        raise ValueError(f"the KV pool cannot hold a {len(prompt)}-token prompt")
     runner.prefill(0, prompt, SamplingParams(), seed=0)
     kv_len = runner.kv_len_for(len(prompt) + 1)
     positions = runner.state.pos[:1, None] + torch.arange(runner.k + 1)

@@ -193,7 +193,14 @@ class ModelRunner:
             work.append((f"step {rows}x{kv_len}", lambda k=(rows, kv_len, sampling): self._run_step(*k)))
         # a whole prompt, the draft's eager priming pass included: on CUDA its Triton kernels compile here
         prompt = [0] * max(1, min(20, self.max_len - 1))
-        work.append(("prompt", lambda: self.prefill_on_device(0, prompt, SamplingParams(), seed=0)))
+
+        def run_prompt() -> None:
+            if not self.reserve(0, len(prompt) + self.lookahead):
+                pool = f"{self.pool.num_blocks} blocks of {BLOCK}"
+                raise ValueError(f"the KV pool ({pool}) cannot hold the {len(prompt)}-token warm-up prompt")
+            self.prefill_on_device(0, prompt, SamplingParams(), seed=0)
+
+        work.append(("prompt", run_prompt))
         with tqdm(work, desc="compiling" if self.compiled_step else "capturing", disable=not progress) as bar:
             for name, run in bar:
                 bar.set_postfix_str(name)
@@ -212,6 +219,8 @@ class ModelRunner:
         self, slot: int, prompt_ids: list[int], params: SamplingParams, seed: int
     ) -> torch.Tensor:  # [1, 1] the first generated token, on the device (no host sync)
         n = len(prompt_ids)
+        if self.block_tables[slot].capacity < n:
+            raise RuntimeError(f"slot {slot} holds KV blocks for fewer than {n} positions: reserve() first")
         self._set_sampling(slot, params, seed)
         row = self.sampling.rows(slot, slot + 1)
         tokens = torch.tensor([prompt_ids], device=self.device)
