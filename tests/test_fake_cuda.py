@@ -113,6 +113,8 @@ def serve(runner: ModelRunner, prefill_log: OpLog, step_log: OpLog) -> list[torc
     """A 4,000-token greedy prompt in slot 0 and short sampling prompts in slots 1-3, then steps over
     1 and 4 rows, greedy and sampling; the engine's calls are logged."""
     outs = []
+    for slot in range(4):
+        assert runner.reserve(slot, runner.cache_len)  # KV blocks for each slot's whole context
     with prefill_log:
         outs.append(runner.prefill_on_device(0, list(range(5, 5 + PROMPT)), SamplingParams(), seed=0))
         for slot in (1, 2, 3):

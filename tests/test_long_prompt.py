@@ -96,6 +96,7 @@ def test_cpu_prefill_of_4000_tokens_materializes_nothing_quadratic_per_head(tmp_
     kv_len = runner.kv_len_for(n)
     log = LargestOutput()
     with torch.no_grad(), log:  # not inference_mode, under which the mode sees SDPA whole, not its kernel
+        assert runner.reserve(0, runner.cache_len)
         runner.prefill_on_device(0, _prompt(hf.config.vocab_size, n, seed=4), SamplingParams(), seed=0)
     assert "aten::_scaled_dot_product_flash_attention_for_cpu" in log.names
     assert log.largest <= n * kv_len < hf.config.num_attention_heads * n * kv_len

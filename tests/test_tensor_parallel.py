@@ -107,6 +107,7 @@ def _rank_logits(
             hidden, _ = model(tokens, torch.arange(tokens.shape[1])[None])
             torch.save(model.logits(hidden), Path(out) / f"rank{rank}.pt")
             torch.save(model.greedy_tokens(hidden), Path(out) / f"greedy{rank}.pt")
+        dist.barrier()  # both ranks done with the group before either tears it down
     finally:
         dist.destroy_process_group()
 
