@@ -106,10 +106,14 @@ def test_every_tensor_parallel_rank_takes_the_same_blocks(tmp_path, tokenizer_di
     alone = LLM(target, **kw)
     want = [alone.generate([p], params)[0].token_ids for p in prompts]
     small = LLM(target, tensor_parallel_size=2, kv_cache_memory=9 * alone.runner.block_bytes, **kw)
+    sent, send = [], small.runner._send
+    small.runner._send = lambda message: sent.append(message[0]) or send(message)
     try:
         got = small.generate(prompts, params)
     finally:
         small.close()
+    # workers hear of a reservation only when a slot needs a new block, not every step
+    assert 0 < sent.count("reserve") <= sum(c.decode_steps for c in got) // 4
     for prompt, c, alone_tokens in zip(prompts, got, want, strict=True):
         assert greedy_divergence_is_a_near_tie(alone.model, prompt, c.token_ids, alone_tokens)
     assert sum(c.preemptions for c in got) > 0
@@ -125,3 +129,23 @@ def test_kv_cache_memory_flag_takes_sizes_and_names_a_pool_too_small(tmp_path, t
     assert main([*argv, "--kv-cache-memory", "1KB"]) != 0
     assert "kv_cache_memory 1,000 bytes holds no KV block" in capsys.readouterr().err
     assert main([*argv, "--kv-cache-memory", "1MiB", "--max-tokens", "5"]) == 0
+
+
+def test_a_context_filled_to_the_limit_survives_preemption(tmp_path, tokenizer_dir):
+    """A 2,048-token context: a 1,500-token prompt generates up to the limit (548 tokens) beside a
+    1,200-token one (300 tokens), over 180 blocks. Both are admitted (94 + 76 blocks), but grown to 128 +
+    94 they do not fit: the newer is preempted and recomputed over ~1,300 tokens. Both end with their
+    tokens alone (greedy, up to an fp32 near tie) and every block comes back."""
+    hf = build_hf_model(llama3_hf_config(max_position_embeddings=2048), seed=int(torch.randint(0, 2**31, ())))
+    target = save_hf_model(hf, tmp_path / "t", tokenizer_dir)
+    kw = dict(dtype="float32", max_batch=2, max_seq_len=2048, compile=False, progress=False)
+    prompts = [torch.randint(5, 384, (n,)).tolist() for n in (1500, 1200)]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (548, 300)]
+    alone = LLM(target, **kw)
+    want = [alone.generate([p], q)[0].token_ids for p, q in zip(prompts, params, strict=True)]
+    small = LLM(target, kv_cache_memory=180 * alone.runner.block_bytes, **kw)
+    got = small.generate(prompts, params)
+    assert [len(c.token_ids) for c in got] == [548, 300] and got[1].preemptions > 0
+    for prompt, c, alone_tokens in zip(prompts, got, want, strict=True):
+        assert greedy_divergence_is_a_near_tie(small.model, prompt, c.token_ids, alone_tokens)
+    assert small.runner.pool.available == small.runner.pool.num_blocks

@@ -5,8 +5,9 @@ in block table[p // BLOCK] at row p % BLOCK (BLOCK = 16: position 37 is row 5 of
 block). Every forward takes its rows' block tables ([B, blocks per sequence] int32) instead of slot
 numbers: writes and reads go through them, so which blocks a sequence holds is the caller's choice.
 Without num_blocks each slot owns a fixed run of blocks: slot s holds blocks [s M, (s + 1) M),
-M = max_len // BLOCK + 1. With it (the engine's runner: a pool sized from a KV budget) the table
-starts empty (zeros) and the runner fills each slot's row from its block pool (engine/blocks.py).
+M = max_len // BLOCK + 1. With it (the engine's runner: a pool sized from a KV budget) the last block is
+a scratch block, every table entry starts pointing at it (free rows' writes land nowhere anyone reads),
+and the runner fills each slot's row from its block pool (engine/blocks.py).
 """
 
 import torch
@@ -33,10 +34,11 @@ class KVCache:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(config.num_layers)
         ]
-        # slot s -> its blocks, e.g. 2 slots of 3 blocks: [[0, 1, 2], [3, 4, 5]]
-        self.table = torch.arange(slots * per_slot, dtype=torch.int32, device=device).view(slots, per_slot)
-        if num_blocks is not None:
-            self.table = torch.zeros_like(self.table)
+        if num_blocks is None:  # slot s -> its blocks, e.g. 2 slots of 3 blocks: [[0, 1, 2], [3, 4, 5]]
+            self.table = torch.arange(slots * per_slot, dtype=torch.int32, device=device).view(slots, -1)
+        else:
+            self.scratch_block = num_blocks - 1
+            self.table = torch.full((slots, per_slot), num_blocks - 1, dtype=torch.int32, device=device)
 
     @property
     def nbytes(self) -> int:

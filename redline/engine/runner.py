@@ -77,12 +77,8 @@ class ModelRunner:
         )  # fmt: skip
         self.pool = BlockPool(self._pool_blocks(slots, kv_cache_memory), BLOCK)
         self.block_tables = [BlockTable(self.pool) for _ in range(slots)]
-        # one block past the pool: free rows (which compute at position 0) and table entries past a slot's
-        # blocks point at it, so their writes land nowhere anyone reads
-        self.scratch_block = self.pool.num_blocks
-        blocks = self.pool.num_blocks + 1
+        blocks = self.pool.num_blocks + 1  # and the cache's scratch block (engine/kv_cache.py)
         self.cache = KVCache(model.config, slots, self.cache_len, kv_dtype, self.device, blocks)
-        self.cache.table.fill_(self.scratch_block)
         self.draft_cache = None
         if draft is not None:
             layer = draft.config.layer
@@ -133,6 +129,10 @@ class ModelRunner:
                 f"each: {BLOCK} positions of every layer's keys and values, target and draft)"
             )
         return blocks
+
+    def holds(self, slot: int, positions: int) -> bool:
+        """Whether `slot` already has blocks for positions [0, positions): reserve would change nothing."""
+        return self.block_tables[slot].capacity >= min(positions, self.cache_len)
 
     def reserve(self, slot: int, positions: int) -> bool:
         """Blocks for positions [0, positions) of `slot`; False, taking none, when the pool is short."""
@@ -286,7 +286,7 @@ class ModelRunner:
         self.state.active[slot] = False
         self.sampling_slots.discard(slot)
         self.block_tables[slot].release()
-        self.cache.table[slot] = self.scratch_block
+        self.cache.table[slot] = self.cache.scratch_block
 
     def _set_sampling(self, slot: int, params: SamplingParams, seed: int) -> None:
         s = self.sampling

@@ -31,7 +31,7 @@ from redline.layers.rotary import Rotary
 from redline.models.llama import KVLayer, LlamaForCausalLM
 from redline.models.loader import CheckpointError, checkpoint_files, load_weights, save_weights
 from redline.parallel.group import SINGLE, TensorParallel
-from redline.parallel.sharding import Shard, local_config, shard_of
+from redline.parallel.sharding import Shard, local_config, shard_of, vocab_shard
 from redline.parallel.vocab import VocabParallelEmbedding, gather_vocab, vocab_block, vocab_parallel_argmax
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -228,8 +228,7 @@ def draft_shard_of(config: Eagle3Config, module_key: str, rank: int, size: int) 
     does; lm_head by the draft vocabulary, own embeddings by the target's; fc, norms, d2t, t2d whole."""
     if module_key in ("lm_head.weight", "embed_tokens.weight"):
         vocab = config.draft_vocab_size if module_key == "lm_head.weight" else config.layer.vocab_size
-        block = vocab_block(vocab, size)
-        return Shard((slice(rank * block, min((rank + 1) * block, vocab)),), rows=block)
+        return vocab_shard(vocab, rank, size)
     if not module_key.startswith("midlayer."):
         return None
     return shard_of(config.layer, module_key, rank, size)

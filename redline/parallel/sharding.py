@@ -65,6 +65,13 @@ def check_divisible(config: ModelConfig, size: int, expert_parallel: bool = Fals
         raise ConfigError(f"cannot split the model over {size} tensor-parallel ranks: {', '.join(problems)}")
 
 
+def vocab_shard(vocab: int, rank: int, size: int) -> Shard:
+    """Rank's rows of an embedding or head: [r B, (r + 1) B), B = ceil(vocab / size), the last block padded
+    with zero rows (vocab 10, size 4: rank 3 reads row 9 and pads 2)."""
+    block = vocab_block(vocab, size)
+    return Shard((slice(rank * block, min((rank + 1) * block, vocab)),), rows=block)
+
+
 def local_config(config: ModelConfig, size: int, expert_parallel: bool = False) -> ModelConfig:
     """The config of one rank's shard: its heads, KV heads and MLP widths (the routed experts' whole
     width under expert parallelism: the MoE splits only its shared expert then)."""
@@ -85,8 +92,7 @@ def shard_of(
     if size == 1:
         return None
     if module_key in VOCAB:
-        block = vocab_block(config.vocab_size, size)
-        return Shard((slice(rank * block, min((rank + 1) * block, config.vocab_size)),), rows=block)
+        return vocab_shard(config.vocab_size, rank, size)
     expert_width = config.expert_intermediate_size  # routed and shared experts
     mlp_width = expert_width if ".shared_expert." in module_key else config.intermediate_size
     if (m := EXPERTS.search(module_key)) and expert_parallel:  # whole experts

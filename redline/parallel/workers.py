@@ -155,7 +155,11 @@ class ParallelRunner:
         self._call("release", slot)
 
     def reserve(self, slot: int, positions: int) -> bool:
-        """Every rank's pool takes the same decisions from the same calls: the same answer everywhere."""
+        """Every rank's pool takes the same decisions from the same calls: the same answer everywhere. A
+        slot that already holds the blocks (15 steps in 16 without a draft) sends no message: rank 0's
+        pool, which answers it, is every rank's."""
+        if self.runner.holds(slot, positions):
+            return True
         return self._call("reserve", slot, positions)
 
     def log_probs(self, tokens: list[int]) -> torch.Tensor:
