@@ -47,10 +47,19 @@ def parse_bytes(text: str) -> int:
     return int(value * factor)
 
 
-def add_kv_memory_arg(p: argparse.ArgumentParser) -> None:
-    help = "memory for KV blocks, e.g. 2GiB (default: every slot's whole context); the newest request is "
-    help += "preempted and recomputed when they run out"
+def add_kv_args(p: argparse.ArgumentParser, max_prefill_default: str = "whole prompts") -> None:
+    """The KV cache and prefill flags of generate and serve."""
+    help = "memory for KV blocks, e.g. 2GiB (default: on CUDA see --gpu-memory-utilization; on CPU every "
+    help += "slot's whole context, at most 4 GiB); the newest request is preempted when they run out"
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES", help=help)
+    help = "CUDA without --kv-cache-memory: the share of the device's memory for weights, activations and "
+    help += "KV blocks (default 0.9)"
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="FRACTION", help=help)
+    help = "do not reuse the KV blocks of prompt prefixes computed before"
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false", help=help)
+    help = "tokens of one prefill forward (longer prompts prefill in chunks between decode steps; "
+    help += f"default: {max_prefill_default})"
+    p.add_argument("--max-prefill-tokens", type=int, default=None, metavar="N", help=help)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -75,6 +84,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         pdl=args.pdl,
         kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        prefix_caching=args.prefix_caching,
+        max_prefill_tokens=args.max_prefill_tokens,
         max_batch=1,
         tensor_parallel_size=args.tensor_parallel_size,
         expert_parallel=args.expert_parallel,
@@ -429,7 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--pdl", action="store_true", help="programmatic dependent launch (Hopper+ GPUs)")
     g.add_argument("--kv-cache-dtype", default=None, help="fp8 | bfloat16 | float32 (default: the model's)")
-    add_kv_memory_arg(g)
+    add_kv_args(g)
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("info", help="print the architecture, sizes and layer pattern")

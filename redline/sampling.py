@@ -87,6 +87,11 @@ class SamplingTensors:
         w = slice(start, stop)
         return SamplingTensors(self.temperature[w], self.top_k[w], self.top_p[w], self.seed[w])
 
+    def take(self, slots: torch.Tensor) -> SamplingTensors:
+        """The rows of `slots` [B] (a batched prefill's), in that order."""
+        t = self
+        return SamplingTensors(t.temperature[slots], t.top_k[slots], t.top_p[slots], t.seed[slots])
+
 
 def filtered_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """Temperature, then top-k, then top-p, as one distribution per row.

@@ -60,8 +60,10 @@ def test_replays_held_out_conversations_with_their_real_lengths(served, trained,
     assert result["mean_ttft_ms"] < result["mean_e2el_ms"]
     assert result["output_throughput"] == pytest.approx(result["total_output_tokens"] / result["duration"])
     assert 1.0 <= result["acceptance_length"] <= 4.0  # the server's draft, K = 3
+    assert 0.0 <= result["prefix_cache_hit_rate"] <= 1.0  # the server looked up every prompt
     printed = capsys.readouterr().out
     assert "Serving Benchmark Result" in printed and "P99 TPOT (ms):" in printed
+    assert "Prefix cache hit rate (server):" in printed
 
 
 def test_poisson_arrivals(served, trained, tmp_path):
@@ -80,15 +82,15 @@ def test_a_request_the_server_fails_is_counted_not_fatal(served, trained, tmp_pa
     server, url = served
     tokenizer = Tokenizer.from_dir(trained / "target")
     doomed = tokenizer.encode_chat(list(sharegpt_requests(tokenizer, 5, 8, CONTEXT, True)[2].prompt))
-    model = server.llm.runner.model
-    forward = model.forward
+    runner = server.llm.runner
+    prefill = runner.prefill_batch
 
-    def failing(tokens, *args, **kwargs):  # the third request's prefill raises (after its 200 status line)
-        if tokens.shape[0] == 1 and tokens[0, : len(doomed)].tolist() == doomed:
+    def failing(chunks):  # the third request's prefill raises (after its 200 status line)
+        if any(chunk.tokens == doomed for chunk in chunks):
             raise RuntimeError("injected prefill failure")
-        return forward(tokens, *args, **kwargs)
+        return prefill(chunks)
 
-    monkeypatch.setattr(model, "forward", failing)
+    monkeypatch.setattr(runner, "prefill_batch", failing)
     result = bench(
         url,
         trained / "target",

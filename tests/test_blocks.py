@@ -31,6 +31,7 @@ def test_a_shared_prompt_prefix_is_reused_block_by_block():
     prompt = list(range(100, 140))
     first = BlockTable(pool)
     assert first.reuse_prefix(prompt) == 0
+    first.count_lookup(prompt)
     first.ensure(len(prompt) + 4)
     first.cache_prompt(prompt)
     assert pool.stats.queries == 32 and pool.stats.hits == 0
@@ -42,7 +43,32 @@ def test_a_shared_prompt_prefix_is_reused_block_by_block():
     exact = BlockTable(pool)
     assert exact.reuse_prefix(prompt[:32]) == 16
     assert exact.keys == [block_key(ROOT, prompt[:16])]
-    assert pool.stats.hits == 32 + 16 + 16
+    for table, looked_up in ((same35, prompt[:35] + [7] * 10), (same20, prompt[:20] + [7] * 20)):
+        table.count_lookup(looked_up)
+    assert pool.stats.queries == 32 + 32 + 32 and pool.stats.hits == 32 + 16
+
+
+def test_with_a_draft_a_block_is_keyed_with_the_token_after_it():
+    """key_lookahead 1 (EAGLE-3: the draft's last row of a block read the next token): a 40-token prompt
+    caches blocks 0 and 1 under (tokens 0..16) and (tokens 16..32). A prompt equal for 32 tokens but not
+    the 33rd reuses block 0 only; one equal for 33 reuses both. A 32-token prompt plus its first new token
+    caches both blocks; without that token only the first has a key."""
+    pool = BlockPool(16, block_size=16, key_lookahead=1)
+    prompt = list(range(100, 140))
+    first = BlockTable(pool)
+    first.ensure(len(prompt))
+    first.cache_prompt(prompt)
+    assert first.keys == pool.keys(prompt, 2) and first.keys[0] == block_key(ROOT, prompt[:17])
+    assert BlockTable(pool).reuse_prefix(prompt[:32] + [7] * 8) == 16
+    assert BlockTable(pool).reuse_prefix(prompt[:33] + [7] * 7) == 32
+    short = BlockTable(pool)
+    short.ensure(32)
+    short.cache_prompt(list(range(32)))
+    assert len(short.keys) == 1
+    short.release()
+    short.ensure(32)
+    short.cache_prompt([*range(32), 5], computed=32)
+    assert len(short.keys) == 2
 
 
 def test_unreferenced_cached_blocks_are_evicted_least_recently_released_first():

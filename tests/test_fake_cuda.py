@@ -36,6 +36,7 @@ from fake_cuda import (
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from redline.config import ModelConfig
+from redline.engine.prefill import PrefillChunk
 from redline.engine.runner import ModelRunner
 from redline.models.eagle3 import Eagle3Draft, draft_config_for
 from redline.models.llama import LlamaForCausalLM
@@ -64,6 +65,7 @@ MAVERICK = dict(LLAMA4, vocab_size=202048, hidden_size=5120, intermediate_size=8
                 intermediate_size_mlp=16384, num_attention_heads=40, num_key_value_heads=8,
                 head_dim=128, num_local_experts=128, attention_chunk_size=8192)  # fmt: skip
 PROMPT = 4000
+KV_MEMORY = 4 * 2**30  # fake tensors hold no memory, and the device's free memory cannot be measured
 KERNELS = {
     "redline::decode_attention",
     "redline::prefill_attention",
@@ -110,16 +112,17 @@ def fake_model(raw: dict, draft: bool, dtype: torch.dtype = torch.bfloat16):
 
 
 def serve(runner: ModelRunner, prefill_log: OpLog, step_log: OpLog) -> list[torch.Tensor]:
-    """A 4,000-token greedy prompt in slot 0 and short sampling prompts in slots 1-3, then steps over
-    1 and 4 rows, greedy and sampling; the engine's calls are logged."""
-    outs = []
-    for slot in range(4):
-        assert runner.reserve(slot, runner.cache_len)  # KV blocks for each slot's whole context
+    """A 4,000-token greedy prompt in slot 0, then short sampling prompts in slots 1-3 as one batched
+    prefill (slot 3's first chunk only), then steps over 1 and 4 rows, greedy and sampling; the engine's
+    calls are logged."""
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=20)
+    prompts = [list(range(5, 5 + PROMPT)), *(list(range(7, 7 + 20 * slot)) for slot in (1, 2, 3))]
+    for slot, prompt in enumerate(prompts):
+        assert runner.admit(slot, prompt, sampled if slot else SamplingParams(), seed=slot) == 0
     with prefill_log:
-        outs.append(runner.prefill_on_device(0, list(range(5, 5 + PROMPT)), SamplingParams(), seed=0))
-        for slot in (1, 2, 3):
-            params = SamplingParams(temperature=0.8, top_p=0.9, top_k=20)
-            outs.append(runner.prefill_on_device(slot, list(range(7, 7 + 3 * slot)), params, seed=slot))
+        outs = [runner.prefill_on_device([PrefillChunk(0, prompts[0], 0, PROMPT)])]
+        chunks = [PrefillChunk(1, prompts[1], 0, 20), PrefillChunk(2, prompts[2], 0, 40)]
+        outs.append(runner.prefill_on_device([*chunks, PrefillChunk(3, prompts[3], 0, 30)]))
     kv_len = runner.kv_len_for(PROMPT + 8)
     with step_log:
         for rows in (1, 4):
@@ -143,12 +146,12 @@ def assert_on_device(prefill_log: OpLog, step_log: OpLog) -> None:
 @pytest.mark.parametrize("k", [0, 3])
 def test_prefill_and_steps_on_fake_cuda(fake_cuda, family, k):
     model, draft = fake_model(LLAMA3 if family == "llama3" else LLAMA4, draft=k > 0)
-    runner = ModelRunner(model, 4, PROMPT + 64, draft, k, cuda_graphs=False)
+    runner = ModelRunner(model, 4, PROMPT + 64, draft, k, cuda_graphs=False, kv_cache_memory=KV_MEMORY)
     prefill_log, step_log = OpLog(), OpLog()
     first, *_, step1_greedy, step1_sampling, step4_greedy, step4_sampling = serve(
         runner, prefill_log, step_log
     )
-    assert first.shape == (1, 1) and first.device == CUDA
+    assert first.shape == (1,) and first.device == CUDA
     for out, rows in [(step1_greedy, 1), (step1_sampling, 1), (step4_greedy, 4), (step4_sampling, 4)]:
         assert out.shape == (rows, k + 2) and out.device == CUDA and out.dtype == torch.int64
     ops = set(prefill_log.ops) | set(step_log.ops)
@@ -163,7 +166,14 @@ def test_prefill_and_steps_on_fake_cuda(fake_cuda, family, k):
 def test_fp8_cache_on_fake_cuda(fake_cuda):
     model, draft = fake_model(LLAMA4, draft=True)
     runner = ModelRunner(
-        model, 4, PROMPT + 64, draft, 3, kv_cache_dtype=torch.float8_e4m3fn, cuda_graphs=False
+        model,
+        4,
+        PROMPT + 64,
+        draft,
+        3,
+        kv_cache_dtype=torch.float8_e4m3fn,
+        cuda_graphs=False,
+        kv_cache_memory=KV_MEMORY,
     )
     assert runner.cache.layers[0][0].dtype == torch.float8_e4m3fn
     prefill_log, step_log = OpLog(), OpLog()
@@ -201,7 +211,7 @@ def test_compiled_step_traces_the_kernels(fake_cuda):
     dynamo ignores mark_unbacked (each kv_len would compile), so this marks it dynamic with a range."""
     torch._dynamo.reset()
     model, draft = fake_model(LLAMA4, draft=True)
-    runner = ModelRunner(model, 4, 1024, draft, 3, pdl=True, cuda_graphs=False)
+    runner = ModelRunner(model, 4, 1024, draft, 3, pdl=True, cuda_graphs=False, kv_cache_memory=KV_MEMORY)
     graphs: list[torch.fx.GraphModule] = []
 
     def step(rows: int, kv_index: torch.Tensor, sampling: bool) -> torch.Tensor:
@@ -228,7 +238,7 @@ def test_compiled_prefill_traces_the_kernels(fake_cuda, family):
     of compiled_prefill.py) or, for Llama 4, above the MoE layer's few-token branch (n <= experts)."""
     torch._dynamo.reset()
     model, _ = fake_model(LLAMA3 if family == "llama3" else LLAMA4, draft=False)
-    runner = ModelRunner(model, 4, 1024, cuda_graphs=False)
+    runner = ModelRunner(model, 4, 1024, cuda_graphs=False, kv_cache_memory=KV_MEMORY)
     graphs: list[torch.fx.GraphModule] = []
 
     def prefill(tokens: torch.Tensor, tables: torch.Tensor) -> tuple:
@@ -265,7 +275,17 @@ def test_kernels_compile_for_h200(fake_cuda, shape, kv_dtype, pdl):
     bf16 products run on tensor cores (wgmma). With pdl, the split-KV kernel compiles with
     programmatic dependent launch (its gdc_wait)."""
     model, draft = fake_model(shape, draft=True)
-    runner = ModelRunner(model, 4, PROMPT + 64, draft, 3, kv_cache_dtype=kv_dtype, pdl=pdl, cuda_graphs=False)
+    runner = ModelRunner(
+        model,
+        4,
+        PROMPT + 64,
+        draft,
+        3,
+        kv_cache_dtype=kv_dtype,
+        pdl=pdl,
+        cuda_graphs=False,
+        kv_cache_memory=KV_MEMORY,
+    )
     with recorded_launches() as launches:
         serve(runner, OpLog(), OpLog())
     seen, report = set(), []

@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from redline import LLM, SamplingParams
+from redline.engine.prefill import PrefillChunk
 from redline.layers.attention import Attention
 
 PROMPT = 2100
@@ -97,6 +98,6 @@ def test_cpu_prefill_of_4000_tokens_materializes_nothing_quadratic_per_head(tmp_
     log = LargestOutput()
     with torch.no_grad(), log:  # not inference_mode, under which the mode sees SDPA whole, not its kernel
         assert runner.reserve(0, runner.cache_len)
-        runner.prefill_on_device(0, _prompt(hf.config.vocab_size, n, seed=4), SamplingParams(), seed=0)
+        runner.prefill_on_device([PrefillChunk(0, _prompt(hf.config.vocab_size, n, seed=4), 0, n)])
     assert "aten::_scaled_dot_product_flash_attention_for_cpu" in log.names
     assert log.largest <= n * kv_len < hf.config.num_attention_heads * n * kv_len

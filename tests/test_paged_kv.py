@@ -95,23 +95,28 @@ def test_blocks_are_taken_as_a_request_grows(tmp_path, tokenizer_dir):
 
 
 def test_every_tensor_parallel_rank_takes_the_same_blocks(tmp_path, tokenizer_dir):
-    """Over 2 ranks with the memory of 9 one-process blocks (18 per rank: a rank holds 1 of the 2 KV
+    """Over 2 ranks with the memory of 5.5 one-process blocks (11 per rank: a rank holds 1 of the 2 KV
     heads), each rank's pool answers the same reservations from the same calls: the preempting run gives
-    every request its tokens alone, with EAGLE-3 at K = 3."""
+    every request its tokens alone, with EAGLE-3 at K = 3, prompts sharing their first 33 tokens (prefix
+    hits) and prefill in chunks of 32 tokens."""
     target = save_hf_model(build_hf_model(llama3_hf_config(), seed=5), tmp_path / "t", tokenizer_dir)
     draft = write_random_draft(target, tmp_path / "d")
     kw = dict(dtype="float32", max_batch=4, max_seq_len=128, compile=False, progress=False, draft=draft)
-    prompts = [torch.randint(5, 384, (n,)).tolist() for n in (45, 21, 33, 40)]
+    shared = torch.randint(5, 384, (33,)).tolist()
+    prompts = [shared + torch.randint(5, 384, (n,)).tolist() for n in (12, 1, 7, 20)]
     params = SamplingParams(max_tokens=30, ignore_eos=True)
-    alone = LLM(target, **kw)
+    alone = LLM(target, prefix_caching=False, **kw)
     want = [alone.generate([p], params)[0].token_ids for p in prompts]
-    small = LLM(target, tensor_parallel_size=2, kv_cache_memory=9 * alone.runner.block_bytes, **kw)
+    memory = 11 * alone.runner.block_bytes // 2  # 11 blocks per rank: the three at once grow to 12
+    small = LLM(target, tensor_parallel_size=2, kv_cache_memory=memory, max_prefill_tokens=32, **kw)
     sent, send = [], small.runner._send
     small.runner._send = lambda message: sent.append(message[0]) or send(message)
     try:
-        got = small.generate(prompts, params)
+        got = small.generate(prompts[:1], params) + small.generate(prompts[1:], params)
     finally:
         small.close()
+    assert [c.cached_tokens > 0 for c in got] == [False, True, True, True]
+    assert sent[:4] == ["admit", "prefill_batch", "prefill_batch", "decode"]  # 45 tokens: chunks 32 + 13
     # workers hear of a reservation only when a slot needs a new block, not every step
     assert 0 < sent.count("reserve") <= sum(c.decode_steps for c in got) // 4
     for prompt, c, alone_tokens in zip(prompts, got, want, strict=True):

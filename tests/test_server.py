@@ -143,6 +143,29 @@ def test_disconnect_mid_stream_frees_the_slot(url, server):
     assert 'redline_requests_total{outcome="cancelled"}' in metrics
 
 
+def _counter(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} is not in /metrics")
+
+
+def test_a_shared_prompt_prefix_is_served_from_the_cache(client, url):
+    """Two prompts sharing a long start (new to this server): the first computes it all, the second
+    finds its full blocks in the prefix cache; usage and /metrics say so alike."""
+    shared = f"# run {time.time_ns()}\n" + "".join(f"v{i} = {i * 7919 % 1000}\n" for i in range(40))
+    hits, queries = (_counter(url, f"redline_prefix_cache_{k}_total") for k in ("hits", "queries"))
+    # 16 tokens take several steps: the counters (updated after each step) have seen the admission
+    kw = dict(model=MODEL, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    first = client.completions.create(prompt=shared + "a = 1", **kw)
+    second = client.completions.create(prompt=shared + "b = 2", **kw)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 64 and cached % 16 == 0 and cached < second.usage.prompt_tokens
+    assert _counter(url, "redline_prefix_cache_hits_total") - hits == cached
+    assert _counter(url, "redline_prefix_cache_queries_total") - queries >= 2 * cached
+
+
 LONG = "word " * 600
 
 
@@ -264,9 +287,9 @@ def test_engine_loop_bounds_its_queue(server):
 def test_modes():
     assert mode_settings("min-latency", None, True, False) == (4, True)
     assert mode_settings("min-latency", 16, True, False) == (4, True)
-    assert mode_settings("max-throughput", None, True, False) == (16, True)
+    assert mode_settings("max-throughput", None, True, False) == (256, True)
     assert mode_settings("max-throughput", 32, True, True) == (32, False)
-    assert mode_settings("max-throughput", None, False, False) == (16, False)
+    assert mode_settings("max-throughput", None, False, False) == (256, False)
 
 
 def test_load_client_reports_every_level(url):

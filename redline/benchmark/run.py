@@ -102,6 +102,7 @@ def bench_redline(
         model_dir, dtype=s.dtype, max_batch=1, max_seq_len=max(map(len, prompts)) + s.max_tokens + 16,
         draft=draft, num_draft_tokens=k if draft else 3, compile=compiled,
         tensor_parallel_size=s.tensor_parallel_size, expert_parallel=s.expert_parallel,
+        prefix_caching=False,  # every repeat prefills cold, as the other engines do: TTFTs compare
     )  # fmt: skip
     params = SamplingParams(max_tokens=s.max_tokens, ignore_eos=True)
     start = time.perf_counter()

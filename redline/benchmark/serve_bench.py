@@ -5,9 +5,10 @@ Each request is a streamed, greedy chat with the conversation's real first user 
 the length of its real first answer (capped at max_output_tokens). Token counts come from the served
 model's tokenizer on this side (`--tokenizer DIR`): max_tokens must be known before the request is sent,
 and OpenAI-compatible servers have no tokenize endpoint. One request is sent first as a warm-up (not
-counted; the run stops if it fails). The server's acceptance length is read from its Prometheus
-/metrics before and after the run (redline's `redline_acceptance_length` histogram: the mean over the
-run's requests); None for a server without it.
+counted; the run stops if it fails). The server's acceptance length and prefix-cache hit rate are read
+from its Prometheus /metrics before and after the run (redline's `redline_acceptance_length` histogram:
+the mean over the run's requests; `redline_prefix_cache_hits_total` / `_queries_total`: prompt tokens
+found in the cache over those looked up); None for a server without them.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from redline.benchmark.serve_report import summarize
 from redline.tokenizer import Tokenizer
 
 ACCEPTANCE = "redline_acceptance_length"
+PREFIX_HITS, PREFIX_QUERIES = "redline_prefix_cache_hits_total", "redline_prefix_cache_queries_total"
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,12 @@ def acceptance_length(before: dict[str, float], after: dict[str, float]) -> floa
     return delta["sum"] / delta["count"] if delta["count"] > 0 else None
 
 
+def prefix_hit_rate(before: dict[str, float], after: dict[str, float]) -> float | None:
+    """Prompt tokens found in the prefix cache over those looked up, between the two scrapes."""
+    queries = after.get(PREFIX_QUERIES, 0.0) - before.get(PREFIX_QUERIES, 0.0)
+    return (after.get(PREFIX_HITS, 0.0) - before.get(PREFIX_HITS, 0.0)) / queries if queries > 0 else None
+
+
 def run_serve_bench(url: str, s: ServeSettings, api_key: str | None = None) -> dict:
     if s.num_prompts < 1 or s.max_output_tokens < 1:
         raise ValueError("--num-prompts and --max-output-tokens must be at least 1")
@@ -76,11 +84,13 @@ def run_serve_bench(url: str, s: ServeSettings, api_key: str | None = None) -> d
         raise ConnectionError(f"the warm-up request to {url} failed: {warm_up.error}")
     before = scrape_metrics(url)
     run = replay(url, card["id"], requests, pace, api_key)
+    after = scrape_metrics(url)
     return {
         "url": url,
         "model": card["id"],
         "dataset": "sharegpt",
         "settings": {**asdict(s), "tokenizer": str(s.tokenizer)},
         **summarize(run),
-        "acceptance_length": acceptance_length(before, scrape_metrics(url)),
+        "acceptance_length": acceptance_length(before, after),
+        "prefix_cache_hit_rate": prefix_hit_rate(before, after),
     }

@@ -84,5 +84,7 @@ def serve_table(result: dict) -> str:
     accept = result["acceptance_length"]
     lines.append("=" * 52)
     lines.append(row("Acceptance length (server, mean):", "-" if accept is None else accept))
+    hits = result.get("prefix_cache_hit_rate")
+    lines.append(row("Prefix cache hit rate (server):", "-" if hits is None else f"{hits:.1%}"))
     lines += [f"failed: {e}" for e in result["errors"][:3]]
     return "\n".join(lines)

@@ -10,6 +10,13 @@ new request reuses every leading block whose key is cached. A cached block nobod
 cached until the pool needs the room: the least recently released goes first. A block is cached only
 once its contents are final (a prompt's full blocks, after their prefill); draft tokens and rejected
 positions never are.
+
+With an EAGLE-3 draft a block's key also covers the token after it (`key_lookahead` = 1): the draft's
+row at position p reads the token at p + 1, so the draft keys and values of a block's last row depend
+on the next block's first token. Keyed so, a reused block holds exactly what a cold prefill of the new
+prompt would write, target and draft alike, and nothing is recomputed. Example, blocks of 16: a 40-token
+prompt caches block 0 under (tokens 0..15, token 16) and block 1 under (tokens 16..31, token 32); a
+prompt sharing its first 32 tokens but not the 33rd reuses block 0 only.
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ class OutOfBlocks(RuntimeError):
 
 
 def block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
-    """The key of a full block: SHA-256 of the parent's key and the block's token ids (8 bytes each)."""
+    """The key of a full block: SHA-256 of the parent's key and the block's token ids (8 bytes each, and
+    the key_lookahead tokens after the block)."""
     digest = hashlib.sha256(parent)
     digest.update(b"".join(t.to_bytes(8, "little", signed=True) for t in tokens))
     return digest.digest()
@@ -43,10 +51,10 @@ class PrefixStats:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int = 16):
+    def __init__(self, num_blocks: int, block_size: int = 16, key_lookahead: int = 0):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"a KV pool needs at least one block of at least one token ({num_blocks=})")
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_blocks, self.block_size, self.key_lookahead = num_blocks, block_size, key_lookahead
         self.refs = [0] * num_blocks
         self.free: deque[int] = deque(range(num_blocks))  # holding nothing worth keeping
         self.key_of: dict[int, bytes] = {}  # cached block -> key
@@ -87,25 +95,31 @@ class BlockPool:
                 else:
                     self.free.append(block)
 
-    def cached_prefix(self, tokens: Sequence[int], limit: int | None = None) -> tuple[list[int], list[bytes]]:
-        """The blocks of the longest prefix of `tokens` made of full cached blocks (at most `limit`
-        blocks), each now referenced once more, and their keys. Counts the lookup in `stats`: every full
-        block of `tokens` (up to `limit`) queried, the returned ones hit."""
-        full = len(tokens) // self.block_size
-        wanted = full if limit is None else min(full, limit)
-        blocks, keys, parent = [], [], ROOT
-        for i in range(wanted):
-            parent = block_key(parent, tokens[i * self.block_size : (i + 1) * self.block_size])
-            block = self.block_of.get(parent)
+    def keys(self, tokens: Sequence[int], count: int) -> list[bytes]:
+        """The keys of the first `count` full blocks of `tokens` (each with key_lookahead tokens after it)."""
+        keys, parent, size = [], ROOT, self.block_size
+        for i in range(count):
+            parent = block_key(parent, tokens[i * size : (i + 1) * size + self.key_lookahead])
+            keys.append(parent)
+        return keys
+
+    def keyable(self, tokens: Sequence[int]) -> int:
+        """Full blocks of `tokens` that have a key: 40 tokens, blocks of 16, key_lookahead 1 -> 2; 32 -> 1."""
+        return max(0, (len(tokens) - self.key_lookahead) // self.block_size)
+
+    def cached_prefix(self, tokens: Sequence[int], limit: int) -> tuple[list[int], list[bytes]]:
+        """The blocks of the longest prefix of `tokens` made of cached blocks (at most `limit` blocks),
+        each now referenced once more, and their keys."""
+        blocks, keys = [], []
+        for key in self.keys(tokens, min(limit, self.keyable(tokens))):
+            block = self.block_of.get(key)
             if block is None:
                 break
             if self.refs[block] == 0:
                 del self.evictable[block]
             self.refs[block] += 1
             blocks.append(block)
-            keys.append(parent)
-        self.stats.queries += wanted * self.block_size
-        self.stats.hits += len(blocks) * self.block_size
+            keys.append(key)
         return blocks, keys
 
     def cache(self, block: int, key: bytes) -> bool:
@@ -135,10 +149,18 @@ class BlockTable:
 
     def reuse_prefix(self, prompt: Sequence[int]) -> int:
         """Takes the cached blocks of prompt's longest cached prefix; returns the tokens they hold. At
-        least the prompt's last token is left to compute (its logits give the first new token)."""
+        least the prompt's last token is left to compute (its logits give the first new token). The
+        lookup is counted in the pool's stats by `count_lookup`, once the request is admitted."""
         assert not self.blocks, "a prefix is reused only by a new table"
         self.blocks, self.keys = self.pool.cached_prefix(prompt, (len(prompt) - 1) // self.pool.block_size)
         return self.capacity
+
+    def count_lookup(self, prompt: Sequence[int]) -> None:
+        """Counts reuse_prefix's lookup: the tokens of the blocks it could have reused, those it did."""
+        size = self.pool.block_size
+        looked_up = min((len(prompt) - 1) // size, self.pool.keyable(prompt))
+        self.pool.stats.queries += looked_up * size
+        self.pool.stats.hits += len(self.keys) * size
 
     def ensure(self, positions: int) -> None:
         """Enough blocks for positions [0, positions); raises OutOfBlocks, taking none, when the pool is
@@ -147,10 +169,13 @@ class BlockTable:
         if missing > 0:
             self.blocks += self.pool.allocate(missing)
 
-    def cache_prompt(self, prompt: Sequence[int]) -> None:
-        """Offers the prompt's full blocks to the prefix cache, once their keys and values are written."""
-        full = min(len(prompt) // self.pool.block_size, len(self.blocks))
-        self.keys = self._chain(prompt, full)
+    def cache_prompt(self, tokens: Sequence[int], computed: int | None = None) -> None:
+        """Offers the full blocks of positions [0, computed) to the prefix cache once their keys and values
+        are written; `tokens` (the prompt, and the first new token when known) name them. computed
+        defaults to len(tokens)."""
+        computed = len(tokens) if computed is None else computed
+        full = min(computed // self.pool.block_size, self.pool.keyable(tokens), len(self.blocks))
+        self.keys = self.pool.keys(tokens, full)
         for block, key in zip(self.blocks, self.keys, strict=False):
             self.pool.cache(block, key)
 
@@ -158,11 +183,3 @@ class BlockTable:
         """Gives every block back (a finished, cancelled or preempted request)."""
         self.pool.release(self.blocks)
         self.blocks, self.keys = [], []
-
-    def _chain(self, prompt: Sequence[int], count: int) -> list[bytes]:
-        """The keys of the first `count` full blocks of `prompt`."""
-        keys, parent, size = [], ROOT, self.pool.block_size
-        for i in range(count):
-            parent = block_key(parent, prompt[i * size : (i + 1) * size])
-            keys.append(parent)
-        return keys

@@ -1,20 +1,16 @@
-"""The target's prefill forward through torch.compile, with the prompt length a dynamic dimension.
+"""The target's prefill forward through torch.compile, its batch, chunk length and keys dynamic.
 
-A prompt of n tokens runs padded to L = padded_prompt_len(n): a multiple of 16 (at least 16, at most
-the cache length), so lengths 0 and 1, which dynamo would specialize on, never reach the graph. The
-length is marked dynamic, so one graph serves every L; a model whose forward branches on the token
-count (a Llama 4 MoE layer takes its few-token path up to num_experts / top_k tokens:
-LlamaForCausalLM.token_count_branches) gets one graph per side of that branch. ModelRunner.warm_up
-compiles them all at start-up (warm_up_lengths). After `freeze()` a length that would still compile
-(a branch no model declared) runs the same forward eagerly, with a warning, instead of failing.
+A prefill runs rows of chunks (engine/prefill.py): tokens [B, L] at positions [B, L], L a multiple of 16
+(at least 16), attending over cache positions [0, kv_len). B, L and kv_len are dynamic dimensions (kv_len
+enters as the length of an empty marker tensor), so a few graphs serve every batch, chunk and offset:
+dynamo specializes B = 1 apart from B >= 2, and a model whose forward branches on the token count (a
+Llama 4 MoE layer takes its few-token path while B L <= num_experts / top_k:
+LlamaForCausalLM.token_count_branches) gets a graph per side of that branch. ModelRunner.warm_up
+compiles them all at start-up (warm_up_shapes). After `freeze()` a shape that would still compile runs
+the same forward eagerly, with a warning, instead of failing.
 
-The padding is harmless by the cache's own rule (layers/attention.py): the padded tokens take
-positions n .. L - 1, each real query attends only keys at or before its position, and every cache
-position >= n is written again (by the decode step, before any query reads it).
-Example: n = 20 -> L = 32; tokens [t0 .. t19, 0 x 12] at positions 0 .. 31; hidden[:, :20] is kept.
-
-The slot enters as its block table (a [1, blocks] tensor, engine/kv_cache.py), so one graph serves
-every slot.
+Duck shaping is off while tracing: a first call with kv_len == L (a whole prompt) must not tie the two
+symbols together, or the first chunk at an offset would compile again.
 """
 
 from __future__ import annotations
@@ -23,7 +19,7 @@ import warnings
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
+import torch.fx.experimental._config as fx_config
 
 from redline.engine.kv_cache import KVCache
 from redline.models.llama import LlamaForCausalLM
@@ -36,18 +32,20 @@ def padded_prompt_len(n: int, cache_len: int) -> int:
     return min(max(ALIGN, -(-n // ALIGN) * ALIGN), cache_len)
 
 
-def warm_up_lengths(cache_len: int, branches: Iterable[int] = ()) -> list[int]:
-    """Padded lengths that compile every prefill graph: 16 (the first call compiles the dynamic graph),
-    32 (a second length: nothing specialized on the first), and for each token count t at which the
-    forward branches (it takes one path up to t tokens, another above), the longest padded length up
-    to t and the shortest above it, within the cache: t = 128 -> 128 and 144; t = 8 -> only 16 (no
-    padded length is <= 8). Long prompts are not run: a 4,097-token warm-up prompt cost SmolLM2 5 s."""
-    lengths = {min(ALIGN, cache_len), min(2 * ALIGN, cache_len)}
-    for t in branches:
-        if t >= ALIGN:
-            lengths.add(min(t // ALIGN * ALIGN, cache_len))
-        lengths.add(padded_prompt_len(t + 1, cache_len))
-    return sorted(lengths)
+def warm_up_shapes(cache_len: int, branches: Iterable[int] = ()) -> list[tuple[int, int]]:
+    """(rows, padded length) pairs that compile every prefill graph: for one row and for two, two
+    lengths (16 and 32: nothing specializes on the first), and for each token count t at which the
+    forward branches, the longest padded batch of up to t tokens and the shortest above it, within the
+    cache: t = 128 -> (1, 128), (1, 144), (2, 64), (2, 80); t = 8 -> nothing at or below 8 tokens. Long
+    prompts are not run: a 4,097-token warm-up prompt cost SmolLM2 5 s."""
+    shapes = set()
+    for rows in (1, 2):
+        shapes |= {(rows, min(ALIGN, cache_len)), (rows, min(2 * ALIGN, cache_len))}
+        for t in branches:
+            if t // rows >= ALIGN:
+                shapes.add((rows, min(t // rows // ALIGN * ALIGN, cache_len)))
+            shapes.add((rows, padded_prompt_len(t // rows + 1, cache_len)))
+    return sorted(shapes)
 
 
 class CompiledPrefill:
@@ -57,37 +55,39 @@ class CompiledPrefill:
         self.frozen = False
 
     def _forward(
-        self, tokens: torch.Tensor, tables: torch.Tensor
+        self, tokens: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, kv_marker: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        length = tokens.shape[1]
-        positions = torch.arange(length, device=tokens.device)[None]
-        return self.model(tokens, positions, self.cache.layers, tables, length)
+        return self.model(tokens, positions, self.cache.layers, tables, kv_marker.shape[0])
 
     def freeze(self) -> None:
-        """From now on a call that would compile raises instead."""
+        """From now on a call that would compile runs eagerly instead, with a warning."""
         self.frozen = True
 
     def __call__(
         self,
-        tokens: torch.Tensor,  # [1, n] prompt ids
-        slot: int,
+        tokens: torch.Tensor,  # [B, L] token ids, L a multiple of 16
+        positions: torch.Tensor,  # [B, L] absolute positions
+        tables: torch.Tensor,  # [B, blocks per sequence] int32
+        kv_len: int,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The model's (hidden [1, n, H], aux [1, n, A] or None) for the prompt, its keys and values
-        written into `slot` at positions 0 .. n - 1 (and padding beyond)."""
-        n = tokens.shape[1]
-        padded = F.pad(tokens, (0, padded_prompt_len(n, self.cache.max_len) - n))  # [1, L], token 0
-        # maybe_: a forward may branch on the length (a Llama 4 MoE layer's few-token path while n * top_k
-        # <= experts), which narrows the range; each side then gets its own graph (warm_up_lengths visits
-        # both), where mark_dynamic(min=16) would raise ConstraintViolationError
-        torch._dynamo.maybe_mark_dynamic(padded, 1)
+        """The model's (hidden [B, L, H], aux [B, L, A] or None), keys and values written through
+        `tables` at `positions`."""
+        marker = torch.empty(kv_len, dtype=torch.int8, device=tokens.device)
+        # maybe_: a forward may branch on the token count (the MoE's few-token path), which narrows a
+        # dimension's range; each side then gets its own graph (warm_up_shapes visits both)
+        for tensor, dims in ((tokens, (0, 1)), (positions, (0, 1)), (tables, (0,)), (marker, (0,))):
+            for dim in dims:
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
         try:
-            with torch.compiler.set_stance("fail_on_recompile" if self.frozen else "default"):
-                hidden, aux = self.compiled(padded, self.cache.tables(slot, 1))
+            with (
+                torch.compiler.set_stance("fail_on_recompile" if self.frozen else "default"),
+                fx_config.patch(use_duck_shape=False),
+            ):
+                return self.compiled(tokens, positions, tables, marker)
         except RuntimeError as error:  # torch raises a plain RuntimeError for the stance
             if not (self.frozen and "fail_on_recompile" in str(error)):
                 raise
-            length = padded.shape[1]
-            message = f"a {length}-token prefill needs a graph the warm-up did not compile; it runs eagerly"
+            shape = f"{tokens.shape[0]} x {tokens.shape[1]}-token"
+            message = f"a {shape} prefill needs a graph the warm-up did not compile; it runs eagerly"
             warnings.warn(message, stacklevel=2)
-            hidden, aux = self._forward(padded, self.cache.tables(slot, 1))
-        return hidden[:, :n], None if aux is None else aux[:, :n]
+            return self._forward(tokens, positions, tables, marker)

@@ -99,6 +99,9 @@ class LLM:
         tensor_parallel_size: int = 1,
         expert_parallel: bool = False,
         kv_cache_memory: int | None = None,
+        prefix_caching: bool = True,
+        max_prefill_tokens: int | None = None,
+        gpu_memory_utilization: float = 0.9,
     ):
         """dtype "fp8" means bfloat16 activations with FP8 weights (quantization="fp8"); pdl launches the
         Triton kernels with programmatic dependent launch (Hopper or newer GPUs); kv_cache_dtype "fp8"
@@ -110,8 +113,12 @@ class LLM:
         (parallel/): this one and N - 1 workers it starts, one GPU each on CUDA; close() stops them. With
         expert_parallel each rank holds E / N whole Llama 4 experts instead of a block of every one.
         kv_cache_memory (bytes) sizes the pool of KV blocks (engine/blocks.py) the requests share; by default
-        it holds every slot's whole context. With less, the newest request is preempted (and recomputed
-        later) when the pool runs dry."""
+        (engine/kv_budget.py) on CUDA gpu_memory_utilization of the device's memory less the weights and a
+        prefill's activations, on CPU every slot's whole context up to 4 GiB. When the pool runs dry the
+        newest request is preempted (and recomputed later). prefix_caching reuses the KV blocks of prompt
+        prefixes computed before (engine/blocks.py). max_prefill_tokens bounds one prefill forward (padding
+        included): longer prompts prefill in chunks between decode steps, shorter ones several in one
+        forward; None (the default) prefills every prompt whole, batch-1 latency first."""
         model_dir = Path(model)
         if dtype == "fp8":
             dtype, quantization = "bfloat16", "fp8"
@@ -134,12 +141,14 @@ class LLM:
         self.max_seq_len = min(max_seq_len or 4096, self.config.max_position)
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {tensor_parallel_size}")
+        if max_prefill_tokens is not None and max_prefill_tokens < 16:
+            raise ValueError(f"max_prefill_tokens must be at least 16 (one block), got {max_prefill_tokens}")
         if expert_parallel and tensor_parallel_size == 1:
             raise ValueError("expert_parallel needs tensor_parallel_size > 1")
         spec = RunnerSpec(str(model_dir), torch_dtype, device, max_batch, self.max_seq_len,
                           None if draft is None else str(draft), num_draft_tokens, compile, pdl,
                           _kv_dtype(kv_cache_dtype), quantization, expert_parallel,
-                          kv_cache_memory)  # fmt: skip
+                          kv_cache_memory, prefix_caching, gpu_memory_utilization)  # fmt: skip
         if tensor_parallel_size > 1:
             self.runner = self._start_ranks(tensor_parallel_size, spec)
         else:
@@ -151,7 +160,7 @@ class LLM:
             start = time.perf_counter()
             self.runner.warm_up(progress=progress)
             self.warmup_s = time.perf_counter() - start
-        self.scheduler = Scheduler(self.runner)
+        self.scheduler = Scheduler(self.runner, max_prefill_tokens)
 
     def _start_ranks(self, size: int, spec: RunnerSpec) -> ParallelRunner:
         """Worker processes for ranks 1 .. size - 1 (parallel/workers.py), or the ranks torchrun started

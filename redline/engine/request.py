@@ -23,6 +23,7 @@ class Completion:
     acceptance_rates: list[float] | None = None  # per draft position: fraction of steps accepting it
     decode_steps: int = 0  # steps after prefill that produced this completion's tokens
     preemptions: int = 0  # times its KV blocks were taken back and its tokens recomputed
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache (not computed)
     error: str | None = None  # why the engine failed this request (finish_reason "error")
 
     @property
@@ -48,6 +49,9 @@ class Request:
     slot: int | None = None
     steps: int = 0  # decode steps taken
     preemptions: int = 0  # times the scheduler took its KV blocks back (it was prefilled again)
+    prefill_ids: list[int] | None = None  # while it prefills: the tokens (prompt + outputs so far)
+    computed: int = 0  # while it prefills: positions of prefill_ids in the cache (reused or computed)
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache instead of computed
     accepted_at: list[int] = field(default_factory=list)  # per draft position: steps that accepted it
 
     def __post_init__(self) -> None:
@@ -131,6 +135,7 @@ class Request:
             tokens_per_s=(n - 1) / decode_time if n > 1 and decode_time > 0 else float("nan"),
             decode_steps=self.steps,
             preemptions=self.preemptions,
+            cached_tokens=self.cached_tokens,
             error=self.error,
             **self.acceptance(),
         )

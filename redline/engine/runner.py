@@ -1,7 +1,8 @@
 """Owns the device side: model(s), KV caches, per-slot decode state and sampling parameters.
 
-prefill() runs one prompt into a slot (outside the captured step); decode() runs the step for the
-slots in use and copies its output to the host once. Every shape the step can run at is known when
+admit() gives a request's slot its KV blocks (reusing cached prefix blocks); prefill_batch() runs
+chunks of prompts (engine/prefill.py), outside the captured step; decode() runs the step for the slots
+in use and copies its output to the host once. Every shape the step can run at is known when
 the runner is built (step_keys); with compile or CUDA graphs, warm_up() compiles and captures them all
 before the first request, so nothing compiles while serving.
 """
@@ -13,11 +14,13 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
+from redline.engine import kv_budget
 from redline.engine.blocks import BlockPool, BlockTable, OutOfBlocks
-from redline.engine.compiled_prefill import CompiledPrefill, warm_up_lengths
+from redline.engine.compiled_prefill import CompiledPrefill, warm_up_shapes
 from redline.engine.compiled_step import CompiledStep
 from redline.engine.cuda_graphs import GraphedStep
 from redline.engine.kv_cache import BLOCK, KVCache
+from redline.engine.prefill import PrefillChunk, pad_chunks
 from redline.kernels.select import (
     compile_by_default,
     pdl_supported,
@@ -53,6 +56,8 @@ class ModelRunner:
         kv_cache_dtype: torch.dtype | None = None,  # None: the model's dtype; torch.float8_e4m3fn halves it
         cuda_graphs: bool | None = None,  # None: on CUDA devices
         kv_cache_memory: int | None = None,  # bytes of KV blocks (None: every slot's whole context)
+        prefix_caching: bool = True,  # reuse the KV blocks of prompt prefixes computed before
+        gpu_memory_utilization: float = 0.9,  # CUDA without kv_cache_memory: the share of the device's memory
     ):
         self.model, self.draft = model, draft
         self.k = num_draft_tokens if draft is not None else 0
@@ -75,7 +80,10 @@ class ModelRunner:
         self.block_bytes = sum(
             2 * c.num_layers * c.num_kv_heads * BLOCK * c.head_dim * kv_dtype.itemsize for c in configs
         )  # fmt: skip
-        self.pool = BlockPool(self._pool_blocks(slots, kv_cache_memory), BLOCK)
+        self.prefix_caching = prefix_caching
+        # a draft's row at p reads the token at p + 1: its blocks are keyed with the token after them
+        blocks = self._pool_blocks(slots, kv_cache_memory, gpu_memory_utilization)
+        self.pool = BlockPool(blocks, BLOCK, int(draft is not None))
         self.block_tables = [BlockTable(self.pool) for _ in range(slots)]
         blocks = self.pool.num_blocks + 1  # and the cache's scratch block (engine/kv_cache.py)
         self.cache = KVCache(model.config, slots, self.cache_len, kv_dtype, self.device, blocks)
@@ -93,6 +101,7 @@ class ModelRunner:
             seed=torch.zeros(slots, dtype=torch.int64, device=self.device),
         )
         self.sampling_slots: set[int] = set()  # slots whose request samples (temperature > 0)
+        self.prefilled_tokens = 0  # prompt positions computed by prefill (prefix-cache hits are not)
         self.step = DecodeStep(model, draft, self.k, self.cache, self.draft_cache, self.state, self.sampling)
         run: Callable[[int, int, bool], torch.Tensor] = self.step
         self.compiled_prefill = CompiledPrefill(model, self.cache) if compile else None
@@ -100,7 +109,7 @@ class ModelRunner:
         if self.compiled_step is not None:
             run = self.compiled_step
             limit = len({(rows, sampling) for rows, _, sampling in self.step_keys()})
-            limit += 2 * len(warm_up_lengths(self.cache_len, model.token_count_branches()))  # prefill
+            limit += 2 * len(warm_up_shapes(self.cache_len, model.token_count_branches()))  # prefill
             # dynamo's limit counts per function, and every runner's graphs hang off the same functions
             dynamo = torch._dynamo.config
             dynamo.recompile_limit += limit
@@ -118,10 +127,16 @@ class ModelRunner:
     def slots(self) -> int:
         return self.cache.slots
 
-    def _pool_blocks(self, slots: int, kv_cache_memory: int | None) -> int:
-        """Blocks of the KV pool: kv_cache_memory / block bytes, or every slot's whole context."""
+    def _pool_blocks(self, slots: int, kv_cache_memory: int | None, gpu_memory_utilization: float) -> int:
+        """Blocks of the KV pool: kv_cache_memory / block bytes, or by default (engine/kv_budget.py) on CUDA
+        a share of the device's memory, on CPU every slot's whole context up to 4 GiB."""
+        one_context = -(-self.cache_len // BLOCK)
+        if kv_cache_memory is None and self.device.type != "cuda":
+            return kv_budget.cpu_kv_blocks(slots * one_context, one_context, self.block_bytes)
         if kv_cache_memory is None:
-            return slots * -(-self.cache_len // BLOCK)
+            kv_cache_memory = kv_budget.measured_cuda_kv_bytes(
+                self.device, gpu_memory_utilization, self._largest_prefill
+            )
         blocks = kv_cache_memory // self.block_bytes
         if blocks < 1:
             raise ValueError(
@@ -129,6 +144,15 @@ class ModelRunner:
                 f"each: {BLOCK} positions of every layer's keys and values, target and draft)"
             )
         return blocks
+
+    @torch.inference_mode()
+    def _largest_prefill(self) -> None:
+        """A prefill forward of up to kv_budget.PROFILED_TOKENS tokens without a cache: the activation peak
+        the budget leaves room for (the draft's, over the same tokens, is smaller)."""
+        n = min(self.cache_len, kv_budget.PROFILED_TOKENS)
+        tokens = torch.zeros((1, n), dtype=torch.int64, device=self.device)
+        hidden, _ = self.model(tokens, torch.arange(n, device=self.device)[None])
+        self.model.logits(hidden[:, -1:])
 
     def holds(self, slot: int, positions: int) -> bool:
         """Whether `slot` already has blocks for positions [0, positions): reserve would change nothing."""
@@ -142,10 +166,31 @@ class ModelRunner:
             table.ensure(min(positions, self.cache_len))
         except OutOfBlocks:
             return False
-        if len(table.blocks) > held:
-            new = torch.tensor(table.blocks[held:], dtype=torch.int32)
-            self.cache.table[slot, held : len(table.blocks)] = new.to(self.device)
+        self._write_table(slot, held)
         return True
+
+    def admit(self, slot: int, tokens: list[int], params: SamplingParams, seed: int) -> int | None:
+        """Gives a new request's `slot` the blocks of its tokens and a step's lookahead: the cached blocks
+        of its longest cached prefix (with prefix caching), then new ones. Returns how many of its tokens
+        are already in the cache (its prefill starts there), or None, taking nothing, when the pool is
+        short."""
+        table = self.block_tables[slot]
+        cached = table.reuse_prefix(tokens) if self.prefix_caching else 0
+        if not self.reserve(slot, len(tokens) + self.lookahead):
+            table.release()
+            return None
+        if self.prefix_caching:
+            table.count_lookup(tokens)
+        self._write_table(slot, 0)
+        self._set_sampling(slot, params, seed)
+        return cached
+
+    def _write_table(self, slot: int, first: int) -> None:
+        """Copies the slot's blocks from index `first` on into its row of the device's block table."""
+        blocks = self.block_tables[slot].blocks
+        if len(blocks) > first:
+            new = torch.tensor(blocks[first:], dtype=torch.int32)
+            self.cache.table[slot, first : len(blocks)] = new.to(self.device)
 
     def kv_len_for(self, last_position: int) -> int:
         """Cache positions a forward must see when the furthest slot's pending token sits at last_position."""
@@ -185,10 +230,11 @@ class ModelRunner:
         released again, and the KV entries written are rewritten before they are read."""
         work: list[tuple[str, Callable[[], object]]] = []
         if self.compiled_prefill is not None:
-            prefill = self.compiled_prefill
-            for n in warm_up_lengths(self.cache_len, self.model.token_count_branches()):
-                tokens = torch.zeros((1, n), dtype=torch.int64, device=self.device)
-                work.append((f"prefill {n}", lambda tokens=tokens: prefill(tokens, 0)))
+            for rows, n in warm_up_shapes(self.cache_len, self.model.token_count_branches()):
+                if rows <= self.slots:  # free slots' tables: every write lands in the scratch block
+                    work.append(
+                        (f"prefill {rows}x{n}", lambda rows=rows, n=n: self._warm_up_prefill(rows, n))
+                    )
         for rows, kv_len, sampling in self.warm_up_step_keys():
             work.append((f"step {rows}x{kv_len}", lambda k=(rows, kv_len, sampling): self._run_step(*k)))
         # a whole prompt, the draft's eager priming pass included: on CUDA its Triton kernels compile here
@@ -198,67 +244,100 @@ class ModelRunner:
             if not self.reserve(0, len(prompt) + self.lookahead):
                 pool = f"{self.pool.num_blocks} blocks of {BLOCK}"
                 raise ValueError(f"the KV pool ({pool}) cannot hold the {len(prompt)}-token warm-up prompt")
-            self.prefill_on_device(0, prompt, SamplingParams(), seed=0)
+            self.prefill(0, prompt, SamplingParams(), seed=0)
 
         work.append(("prompt", run_prompt))
+        caching, self.prefix_caching = self.prefix_caching, False  # the warm-up prompt is no prefix
         with tqdm(work, desc="compiling" if self.compiled_step else "capturing", disable=not progress) as bar:
             for name, run in bar:
                 bar.set_postfix_str(name)
                 run()
+        self.prefix_caching = caching
         self.release(0)
         for stage in (self.compiled_prefill, self.compiled_step, self.graphed_step):
             if stage is not None:
                 stage.freeze()
 
+    def _warm_up_prefill(self, rows: int, length: int) -> None:
+        """One compiled prefill of `rows` x `length` tokens over free slots' tables (the scratch block)."""
+        assert self.compiled_prefill is not None
+        tokens = torch.zeros((rows, length), dtype=torch.int64, device=self.device)
+        positions = torch.arange(length, device=self.device).expand(rows, -1).contiguous()
+        tables = self.cache.table[torch.arange(rows, device=self.device)]
+        self.compiled_prefill(tokens, positions, tables, min(length + BLOCK, self.cache_len))
+
     @torch.inference_mode()
     def prefill(self, slot: int, prompt_ids: list[int], params: SamplingParams, seed: int) -> int:
-        """Runs the prompt into `slot`, primes the draft, and returns the first generated token."""
-        return int(self.prefill_on_device(slot, prompt_ids, params, seed))
-
-    def prefill_on_device(
-        self, slot: int, prompt_ids: list[int], params: SamplingParams, seed: int
-    ) -> torch.Tensor:  # [1, 1] the first generated token, on the device (no host sync)
-        n = len(prompt_ids)
-        if self.block_tables[slot].capacity < n:
-            raise RuntimeError(f"slot {slot} holds KV blocks for fewer than {n} positions: reserve() first")
+        """Runs a whole prompt into `slot` (reserved before), primes the draft, and returns the first
+        generated token."""
         self._set_sampling(slot, params, seed)
-        row = self.sampling.rows(slot, slot + 1)
-        tokens = torch.tensor([prompt_ids], device=self.device)
-        positions = torch.arange(n, device=self.device)[None]
-        kv_len = self.kv_len_for(n)
-        if self.compiled_prefill is not None:
-            hidden, aux = self.compiled_prefill(tokens, slot)
-        else:
-            hidden, aux = self.model(tokens, positions, self.cache.layers, self.cache.tables(slot, 1), kv_len)
-        if params.greedy:
-            first = self.model.greedy_tokens(hidden[:, -1:])  # [1, 1]
-        else:
-            first = select_tokens(self.model.logits(hidden[:, -1:]), row, positions[:, -1:] + 1, True)
-        pending = first
-        if self.draft is not None:
-            assert self.draft_cache is not None and self.state.draft_probs is not None
-            next_tokens = torch.cat((tokens[:, 1:], first), dim=1)  # the row at p reads the token at p + 1
-            drafts, probs = propose(
-                self.draft,
-                aux,
-                next_tokens,
-                positions,
-                torch.tensor([n - 1], device=self.device),
-                self.k,
-                self.draft_cache.layers[0],
-                self.draft_cache.tables(slot, 1),
-                kv_len,
-                row,
-                not params.greedy,
-            )
-            pending = self.model.tp.from_first_rank(torch.cat((first, drafts), dim=1))  # [1, K + 1]: rank 0's
-            first = pending[:, :1]
-            if probs is not None:
-                self.state.draft_probs[slot] = probs[0]
-        self.state.pending[slot] = pending[0]
-        self.state.pos[slot] = n
-        self.state.active[slot] = True
+        first = self.prefill_batch([PrefillChunk(slot, list(prompt_ids), 0, len(prompt_ids))])[0]
+        assert first is not None
         return first
+
+    @torch.inference_mode()
+    def prefill_batch(self, chunks: list[PrefillChunk]) -> list[int | None]:
+        """Runs the chunks as one forward (slots admitted before). Returns, per chunk, the first generated
+        token of a final chunk (its slot now decodes) or None. Final chunks' full blocks go to the prefix
+        cache."""
+        firsts = self.prefill_on_device(chunks).tolist()
+        out: list[int | None] = []
+        for chunk, first in zip(chunks, firsts, strict=True):
+            if chunk.final and self.prefix_caching:
+                self.block_tables[chunk.slot].cache_prompt([*chunk.tokens, first], len(chunk.tokens))
+            out.append(first if chunk.final else None)
+        return out
+
+    def prefill_on_device(self, chunks: list[PrefillChunk]) -> torch.Tensor:  # [B] int64, on the device
+        """prefill_batch without the host: each chunk's candidate first token (meaningful for final chunks),
+        computed on the device without a sync."""
+        for c in chunks:
+            if self.block_tables[c.slot].capacity < c.end:
+                raise RuntimeError(
+                    f"slot {c.slot} holds KV blocks for fewer than {c.end} positions: admit first"
+                )
+        batch = pad_chunks(chunks, self.cache_len, self.device)
+        self.prefilled_tokens += sum(c.end - c.start for c in chunks)
+        slots = torch.tensor([c.slot for c in chunks], device=self.device)
+        tables = self.cache.table[slots]  # [B, blocks per sequence]
+        if self.compiled_prefill is not None:
+            hidden, aux = self.compiled_prefill(batch.tokens, batch.positions, tables, batch.kv_len)
+        else:
+            hidden, aux = self.model(batch.tokens, batch.positions, self.cache.layers, tables, batch.kv_len)
+        last = batch.last[:, None]  # [B, 1]
+        h_last = hidden.gather(1, last[..., None].expand(-1, -1, hidden.shape[-1]))  # [B, 1, H]
+        sampling = self.sampling.take(slots)
+        any_sampling = any(c.slot in self.sampling_slots for c in chunks)
+        if any_sampling:
+            position = batch.positions.gather(1, last) + 1  # [B, 1] where the first new token goes
+            first = select_tokens(self.model.logits(h_last), sampling, position, True)
+        else:
+            first = self.model.greedy_tokens(h_last)  # [B, 1]
+        final = torch.tensor([c.final for c in chunks], device=self.device)[:, None]  # [B, 1]
+        pending, probs = first, None
+        if self.draft is not None:
+            assert self.draft_cache is not None
+            # the last row of a final chunk reads the first new token; other rows read their next token
+            next_tokens = batch.next_tokens.scatter(
+                1, last, torch.where(final, first, batch.next_tokens.gather(1, last))
+            )
+            # the proposals run K - 1 positions past the last row
+            kv_len = min(max(batch.kv_len, max(c.end for c in chunks) + 2 * self.k + 1), self.cache_len)
+            cache = self.draft_cache.layers[0]
+            drafts, probs = propose(self.draft, aux, next_tokens, batch.positions, batch.last, self.k, cache,
+                                    tables, kv_len, sampling, any_sampling)  # fmt: skip
+            pending = self.model.tp.from_first_rank(torch.cat((first, drafts), dim=1))  # [B, K + 1]: rank 0's
+            first = pending[:, :1]
+        rows = [i for i, c in enumerate(chunks) if c.final]
+        if rows:  # these slots decode from now on
+            index = torch.tensor(rows, device=self.device)
+            done = slots[index]
+            self.state.pending[done] = pending[index]
+            self.state.pos[done] = torch.tensor([chunks[i].end for i in rows], device=self.device)
+            self.state.active[done] = True
+            if probs is not None and self.state.draft_probs is not None:
+                self.state.draft_probs[done] = probs[index]
+        return first[:, 0]
 
     def run_step(self, rows: int, kv_len: int, any_sampling: bool) -> torch.Tensor:
         """One step over slots [0, rows) on the device: [rows, K + 2], emitted tokens then n_acc."""

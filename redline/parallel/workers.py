@@ -1,11 +1,11 @@
 """One engine over N processes on this machine: rank 0 (the caller's process) runs the scheduler, and
 ranks 1 .. N - 1 are workers it starts (spawn) that make the same runner calls.
 
-Each call rank 0's scheduler makes (prefill, decode, release, warm_up; eval's log_probs) first goes
-to every worker as one small message on its own queue, then runs locally; the ranks meet in the
-step's all-reduces. The queues are pipes, so an idle worker waits for the next request without a
-collective's timeout. Workers never tokenize: messages carry token ids and sampling parameters. On
-CUDA rank r uses cuda:r; on CPU the caller's threads are split evenly over the ranks.
+Each call rank 0's scheduler makes (admit, reserve, prefill_batch, decode, release, warm_up; eval's
+log_probs) first goes to every worker as one small message on its own queue, then runs locally; the
+ranks meet in the step's all-reduces. The queues are pipes, so an idle worker waits for the next
+request without a collective's timeout. Workers never tokenize: messages carry token ids and sampling
+parameters. On CUDA rank r uses cuda:r; on CPU the caller's threads are split evenly over the ranks.
 
 Start-up: every worker reports on a status queue once it has joined the process group, and again once
 its shard and runner are built; a worker that fails (out of memory, a missing shard) or dies surfaces
@@ -40,6 +40,7 @@ import torch.multiprocessing as mp
 from tqdm import tqdm
 
 from redline.engine.failures import RankLostError
+from redline.engine.prefill import PrefillChunk
 from redline.engine.runner import ModelRunner
 from redline.models.build import load_target
 from redline.models.eagle3 import load_draft
@@ -65,6 +66,8 @@ class RunnerSpec:
     quantization: str | None
     expert_parallel: bool = False
     kv_cache_memory: int | None = None
+    prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
 
     def on_rank(self, rank: int) -> RunnerSpec:
         return replace(self, device=f"cuda:{rank}") if self.device.startswith("cuda") else self
@@ -74,7 +77,9 @@ def build_runner(spec: RunnerSpec, tp: TensorParallel) -> ModelRunner:
     model = load_target(spec.model_dir, spec.dtype, spec.device, spec.quantization, tp=tp)
     draft = None if spec.draft is None else load_draft(spec.draft, model, spec.dtype, spec.device)
     return ModelRunner(model, spec.max_batch, spec.max_seq_len, draft, spec.num_draft_tokens, spec.compile,
-                       spec.pdl, spec.kv_cache_dtype, kv_cache_memory=spec.kv_cache_memory)  # fmt: skip
+                       spec.pdl, spec.kv_cache_dtype, kv_cache_memory=spec.kv_cache_memory,
+                       prefix_caching=spec.prefix_caching,
+                       gpu_memory_utilization=spec.gpu_memory_utilization)  # fmt: skip
 
 
 def _backend(device: str) -> str:
@@ -147,6 +152,12 @@ class ParallelRunner:
 
     def prefill(self, *args: Any) -> int:
         return self._call("prefill", *args)
+
+    def admit(self, *args: Any) -> int | None:
+        return self._call("admit", *args)
+
+    def prefill_batch(self, chunks: list[PrefillChunk]) -> list[int | None]:
+        return self._call("prefill_batch", chunks)
 
     def decode(self, rows: int, last_position: int) -> list[list[int]]:
         return self._call("decode", rows, last_position)

@@ -49,6 +49,7 @@ class Server:
     def _gauges(self, engine: EngineLoop) -> None:
         self.metrics.queue_depth.set(engine.queue_depth)
         self.metrics.slots_in_use.set(engine.slots_in_use)
+        self.metrics.count_prefix_cache(self.llm.runner.pool.stats)
 
     def check_key(self, http: Request) -> None:
         if self.api_key is None:
@@ -120,7 +121,8 @@ def unavailable(problem: str) -> APIError:
 
 def _usage(c: Completion) -> dict:
     return {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
-            "total_tokens": c.prompt_tokens + c.completion_tokens}  # fmt: skip
+            "total_tokens": c.prompt_tokens + c.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": c.cached_tokens}}  # fmt: skip
 
 
 class Responder:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from redline.engine.blocks import PrefixStats
 from redline.engine.request import Completion
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -30,6 +33,24 @@ class Metrics:
         self.requests = Counter("redline_requests", "Finished requests by outcome", ["outcome"], registry=r)
         self.prompt_tokens = Counter("redline_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generated_tokens = Counter("redline_generated_tokens", "Tokens generated", registry=r)
+        self.prefix_queries = Counter(
+            "redline_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r
+        )
+        self.prefix_hits = Counter(
+            "redline_prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r
+        )
+        self.prefix_evictions = Counter(
+            "redline_prefix_cache_evictions", "Cached KV blocks evicted for room", registry=r
+        )
+        self._prefix_seen = PrefixStats()
+
+    def count_prefix_cache(self, stats: PrefixStats) -> None:
+        """Brings the prefix-cache counters up to the pool's running totals."""
+        seen = self._prefix_seen
+        self.prefix_queries.inc(stats.queries - seen.queries)
+        self.prefix_hits.inc(stats.hits - seen.hits)
+        self.prefix_evictions.inc(stats.evictions - seen.evictions)
+        self._prefix_seen = dataclasses.replace(stats)
 
     def observe(self, c: Completion) -> None:
         self.requests.labels(c.finish_reason).inc()

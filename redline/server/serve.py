@@ -3,8 +3,11 @@
 The engine loop runs on the main thread and uvicorn on another. Ctrl-C or SIGTERM exits 0; if the engine
 loop dies, or the HTTP server ends by itself, the process exits 1 instead of serving nothing.
 
-min-latency: at most MIN_LATENCY_SLOTS slots, speculation whenever a draft is given.
-max-throughput: --max-batch slots (default 16); speculation with a draft unless --no-speculation.
+min-latency: at most MIN_LATENCY_SLOTS slots, speculation whenever a draft is given, every prompt
+prefilled whole (batch-1 latency first).
+max-throughput: --max-batch slots (default 256), as many running as the KV pool holds; speculation with
+a draft unless --no-speculation; prefill in forwards of --max-prefill-tokens (default 2,048), so running
+streams keep decoding while a long prompt arrives.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import signal
 import threading
 
 MIN_LATENCY_SLOTS = 4
-MAX_THROUGHPUT_SLOTS = 16
+MAX_THROUGHPUT_SLOTS = 256  # admitted as the KV pool holds them
+MAX_THROUGHPUT_PREFILL_TOKENS = 2048  # per prefill forward: long prompts in chunks between decode steps
 
 
 def mode_settings(
@@ -45,13 +49,17 @@ def serve(args: argparse.Namespace) -> int:
     log = logging.getLogger("redline.server")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     slots, speculate = mode_settings(args.mode, args.max_batch, args.draft is not None, args.no_speculation)
+    prefill_tokens = args.max_prefill_tokens
+    if prefill_tokens is None and args.mode == "max-throughput":
+        prefill_tokens = MAX_THROUGHPUT_PREFILL_TOKENS
     if args.mode == "min-latency" and args.draft is None:
         log.warning("min-latency mode without --draft: serving without speculation")
     llm = LLM(
         args.model, dtype=args.dtype, device=args.device, max_batch=slots, max_seq_len=args.max_seq_len,
         draft=args.draft if speculate else None, num_draft_tokens=args.num_draft_tokens, compile=args.compile,
         tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel,
-        kv_cache_memory=args.kv_cache_memory,
+        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+        prefix_caching=args.prefix_caching, max_prefill_tokens=prefill_tokens,
     )  # fmt: skip
     if llm.warmup_s:
         log.info("warm-up: every prefill and step shape compiled in %.1f s", llm.warmup_s)
@@ -98,14 +106,14 @@ def serve(args: argparse.Namespace) -> int:
 def add_parser(sub) -> None:
     from pathlib import Path
 
-    from redline.cli import add_kv_memory_arg, add_tensor_parallel_arg
+    from redline.cli import add_kv_args, add_tensor_parallel_arg
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("--model", required=True, type=Path)
     s.add_argument("--draft", type=Path, default=None, help="EAGLE-3 draft directory")
     s.add_argument("--num-draft-tokens", type=int, default=3)
     s.add_argument("--mode", choices=("min-latency", "max-throughput"), default="min-latency")
-    s.add_argument("--max-batch", type=int, default=None, help="slots (max-throughput default 16)")
+    s.add_argument("--max-batch", type=int, default=None, help="slots (max-throughput default 256)")
     s.add_argument("--no-speculation", action="store_true", help="ignore --draft (max-throughput A/B)")
     s.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
     s.add_argument(
@@ -114,7 +122,7 @@ def add_parser(sub) -> None:
     s.add_argument("--dtype", default="float32")
     s.add_argument("--device", default="cpu")
     add_tensor_parallel_arg(s)
-    add_kv_memory_arg(s)
+    add_kv_args(s, f"min-latency: whole prompts; max-throughput: {MAX_THROUGHPUT_PREFILL_TOKENS}")
     s.add_argument("--compile", action="store_true")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)

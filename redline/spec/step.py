@@ -7,7 +7,7 @@ compiles with fullgraph=True and captures as one CUDA graph. Without a draft it 
 state, one row per slot:
   pending [S, K + 1]  the last emitted token, then K draft tokens
   pos [S]             absolute position of pending[:, 0]
-  active [S]          rows of free slots compute (at position 0) but never advance
+  active [S]          rows of free slots compute (at position 0, in the scratch block) but never advance
   draft_probs [S, K, V_draft]  the distributions the drafts were sampled from (sampling requests only)
 """
 
@@ -75,7 +75,9 @@ class DecodeStep:
         pos = torch.where(active, st.pos[:rows], 0)
         sampling = self.sampling.rows(0, rows)
         positions = pos[:, None] + torch.arange(k + 1, device=pos.device)  # [B, K + 1]
-        hidden, aux = self.target(pending, positions, self.cache.layers, self.cache.tables(0, rows), kv_len)
+        # free rows, and slots still prefilling chunk by chunk, read and write the scratch block only
+        tables = torch.where(active[:, None], self.cache.tables(0, rows), self.cache.scratch_block)
+        hidden, aux = self.target(pending, positions, self.cache.layers, tables, kv_len)
         if not any_sampling:  # argmax only: under tensor parallelism, no logits gathered
             emitted = self.target.greedy_tokens(hidden)  # [B, K + 1]
             emitted, n_acc = greedy_verify(emitted, pending[:, 1:]) if self.draft else (emitted, None)
@@ -101,7 +103,7 @@ class DecodeStep:
                 n_acc,
                 k,
                 self.draft_cache.layers[0],
-                self.draft_cache.tables(0, rows),
+                tables,
                 kv_len,
                 sampling,
                 any_sampling,

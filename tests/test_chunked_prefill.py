@@ -1,0 +1,107 @@
+"""Batched and chunked prefill: prompts split into chunks under a per-step token budget, several prompts
+in one forward, the same tokens as whole prompts one at a time, and running streams keep receiving
+tokens while a long prompt prefills."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import (
+    build_hf_model,
+    greedy_divergence_is_a_near_tie,
+    llama3_hf_config,
+    llama4_hf_config,
+    save_hf_model,
+)
+
+from redline import LLM, SamplingParams
+from redline.engine.prefill import PrefillChunk
+from redline.models.random_init import write_random_draft
+
+KW = dict(dtype="float32", max_seq_len=512, compile=False, progress=False)
+
+
+def _recording(llm: LLM) -> list[list[PrefillChunk]]:
+    """Every prefill forward's chunks, as the runner runs them."""
+    forwards, prefill = [], llm.runner.prefill_batch
+
+    def recorded(chunks: list[PrefillChunk]) -> list[int | None]:
+        forwards.append(chunks)
+        return prefill(chunks)
+
+    llm.runner.prefill_batch = recorded
+    return forwards
+
+
+@pytest.mark.parametrize(
+    ("config", "draft"),
+    [(llama3_hf_config, False), (llama3_hf_config, True), (llama4_hf_config, True)],
+    ids=["llama3", "llama3-eagle3", "llama4-eagle3"],
+)
+def test_chunked_and_batched_prefill_give_the_tokens_of_whole_prompts(tmp_path, tokenizer_dir, config, draft):
+    """Prompts of 150, 21, 45 and 70 tokens, 8 slots, a budget of 48 tokens per prefill forward: the
+    150-token prompt prefills in chunks of 48, 48, 48, 6 (the first row sets the length, 48, alone in
+    the budget), the others after it share forwards. Greedy tokens equal each prompt's alone with whole
+    prefills (up to an fp32 near tie), a seeded sampled request's exactly, speculation or not."""
+    hf = build_hf_model(config(), seed=int(torch.randint(0, 2**31, ())))
+    target = save_hf_model(hf, tmp_path / "t", tokenizer_dir)
+    kw = dict(KW, max_batch=8)
+    if draft:
+        kw.update(draft=write_random_draft(target, tmp_path / "d"), num_draft_tokens=3)
+    prompts = [torch.randint(5, 384, (n,)).tolist() for n in (150, 21, 45, 70)]
+    params = [SamplingParams(max_tokens=20, ignore_eos=True) for _ in prompts]
+    params[2] = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.9, seed=3)
+    whole = LLM(target, **kw)
+    want = [whole.generate([p], q)[0].token_ids for p, q in zip(prompts, params, strict=True)]
+    chunked = LLM(target, max_prefill_tokens=48, **kw)
+    forwards = _recording(chunked)
+    got = chunked.generate(prompts, params)
+    for prompt, q, c, w in zip(prompts, params, got, want, strict=True):
+        if q.greedy:
+            assert greedy_divergence_is_a_near_tie(chunked.model, prompt, c.token_ids, w)
+        else:
+            assert c.token_ids == w
+    first_prompt = [(c.start, c.end) for f in forwards for c in f if c.tokens == prompts[0]]
+    assert first_prompt == [(0, 48), (48, 96), (96, 144), (144, 150)]
+    assert max(len(f) for f in forwards) > 1  # the short prompts shared forwards
+    for f in forwards:
+        padded = len(f) * -(-max(c.end - c.start for c in f) // 16) * 16
+        assert padded <= 48 or len(f) == 1
+
+
+def test_waiting_prompts_prefill_in_one_forward(tmp_path, tokenizer_dir):
+    """Four prompts of 20 to 40 tokens arriving together, budget 256: one forward of 4 rows (4 x 48 <=
+    256), each row its own whole prompt."""
+    target = save_hf_model(build_hf_model(llama4_hf_config(), seed=4), tmp_path / "t", tokenizer_dir)
+    llm = LLM(target, max_batch=4, max_prefill_tokens=256, **KW)
+    forwards = _recording(llm)
+    prompts = [torch.randint(5, 384, (n,)).tolist() for n in (20, 40, 33, 27)]
+    llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True))
+    assert [[(c.tokens, c.start, c.end) for c in f] for f in forwards] == [[(p, 0, len(p)) for p in prompts]]
+
+
+def test_a_running_stream_receives_tokens_between_the_chunks_of_a_long_prompt(tmp_path, tokenizer_dir):
+    """A stream decodes; a 400-token prompt arrives with a budget of 64 tokens per step: it prefills over
+    7 steps, and the stream receives tokens in every one of them."""
+    target = save_hf_model(build_hf_model(llama3_hf_config(), seed=6), tmp_path / "t", tokenizer_dir)
+    llm = LLM(target, max_batch=2, max_prefill_tokens=64, **KW)
+    scheduler = llm.scheduler
+    stream = llm.make_request(
+        torch.randint(5, 384, (10,)).tolist(), SamplingParams(max_tokens=60, ignore_eos=True)
+    )
+    scheduler.add(stream)
+    scheduler.step()
+    long = llm.make_request(
+        torch.randint(5, 384, (400,)).tolist(), SamplingParams(max_tokens=5, ignore_eos=True)
+    )
+    scheduler.add(long)
+    steps_while_prefilling = 0
+    while not long.output_ids:
+        before = len(stream.output_ids)
+        scheduler.step()
+        assert len(stream.output_ids) > before  # the stream got a token in this step
+        steps_while_prefilling += 1
+    assert steps_while_prefilling == 7  # 6 x 64 + 16
+    while scheduler.has_work:
+        scheduler.step()
+    assert len(long.output_ids) == 5 and len(stream.output_ids) == 60
