@@ -1,15 +1,16 @@
 """Issue 15's serving measurements on the real SmolLM2-135M-Instruct and its EAGLE-3 draft: `redline serve
 --mode max-throughput` (fp32, eager) replayed with held-out ShareGPT by `redline bench --url`'s client.
 
-1. throughput: output tokens/s at 1, 8, 32, 64 and 128 concurrent ShareGPT streams (2 x C requests,
-   at least 16), paged (up to 256 requests at once, as the pool holds them) vs slots (what the same
+1. throughput: output tokens/s at 1, 8, 32, 64 and 128 concurrent ShareGPT streams (C requests, at
+   least 16), paged (up to 256 requests at once, as the pool holds them) vs slots (what the same
    KV memory holds at full context: BUDGET / (context x KV bytes per position) slots, no prefix cache,
    no chunking);
 2. prefix: a shared system prompt of ~1,000 tokens (real ShareGPT text) before each held-out question:
    TTFT of hits vs misses (4 system prompts, 4 questions each, one at a time: the first of each is a
    miss) and output throughput of 32 such requests at concurrency 8, prefix caching on vs off;
-3. chunked: 8 streams decode (ignore_eos, 160 tokens); 3 s in, a 4,000-token prompt arrives: the 8
-   streams' inter-token gaps (p99, max) with --max-prefill-tokens 512 vs 8,192 (one forward);
+3. chunked: 8 streams decode (ignore_eos, 160 tokens; context 4,608); 3 s in, a 4,000-token prompt
+   arrives: the 8 streams' inter-token gaps (p99, max) with --max-prefill-tokens 512 vs 8,192 (one
+   forward);
 4. KV bytes per position and per request (target and draft), from the engine's own numbers.
 
     .venv/bin/python benchmarks/paged_serving.py [--draft DIR] [--out benchmarks/results/paged_serving.json]
@@ -40,16 +41,17 @@ from redline.tokenizer import Tokenizer
 
 PORT = 8417
 URL = f"http://127.0.0.1:{PORT}"
-CONTEXT = 4608  # a 4,000-token prompt and its answer fit
-BUDGET = 600 * 2**20  # KV memory of every configuration: ~5 full contexts of SmolLM2 + draft in fp32
+CONTEXT = 2048  # throughput and prefix runs
+LONG_CONTEXT = 4608  # the chunked-prefill run: a 4,000-token prompt and its answer fit
+BUDGET = 2**30  # KV memory of every configuration: 11 full 2,048-token contexts of SmolLM2 + draft in fp32
 
 
 class Server:
     """`redline serve` in a subprocess, up once /health answers."""
 
-    def __init__(self, model: Path, draft: Path, *flags: str):
+    def __init__(self, model: Path, draft: Path, *flags: str, context: int = CONTEXT):
         command = [sys.executable, "-m", "redline", "serve", "--model", str(model), "--draft", str(draft),
-                   "--num-draft-tokens", "1", "--mode", "max-throughput", "--max-seq-len", str(CONTEXT),
+                   "--num-draft-tokens", "1", "--mode", "max-throughput", "--max-seq-len", str(context),
                    "--kv-cache-memory", str(BUDGET), "--port", str(PORT), "--max-queue", "512",
                    *flags]  # fmt: skip
         self.flags = " ".join(flags)
@@ -90,7 +92,7 @@ def throughput(model: Path, draft: Path, tokenizer: Tokenizer, kv_per_position: 
         with Server(model, draft, *flags):
             replay(URL, _model(), sharegpt_requests(tokenizer, 1, 16, CONTEXT, False), Pace())  # warm-up
             for concurrency in (1, 8, 32, 64, 128):
-                requests = sharegpt_requests(tokenizer, max(16, 2 * concurrency), 128, CONTEXT, False)
+                requests = sharegpt_requests(tokenizer, max(16, concurrency), 128, CONTEXT, False)
                 run = replay(URL, _model(), requests, Pace(max_concurrency=concurrency))
                 summary = summarize(run)
                 rows.append({"config": name, "flags": " ".join(flags), "concurrency": concurrency,
@@ -124,7 +126,8 @@ def system_prompts(tokenizer: Tokenizer, count: int, tokens: int = 1000) -> list
 
 def prefix(model: Path, draft: Path, tokenizer: Tokenizer) -> dict:
     systems = system_prompts(tokenizer, 5)
-    questions = [r.prompt[0] for r in sharegpt_requests(tokenizer, 36, 64, CONTEXT, False)]
+    short = [r for r in sharegpt_requests(tokenizer, 200, 64, CONTEXT, False) if r.prompt_tokens <= 400]
+    questions = [r.prompt[0] for r in short[:36]]  # after a 1,000-token system prompt, all fit
     chat = lambda system, q: Request(({"role": "system", "content": system}, q), 64)
     out = {}
     for name, flags in {"cached": (), "uncached": ("--no-prefix-caching",)}.items():
@@ -174,7 +177,7 @@ def chunked(model: Path, draft: Path, tokenizer: Tokenizer) -> dict:
 
     out = {}
     for budget in ("512", "8192"):
-        with Server(model, draft, "--max-batch", "256", "--max-prefill-tokens", budget):
+        with Server(model, draft, "--max-batch", "256", "--max-prefill-tokens", budget, context=LONG_CONTEXT):
             replay(URL, _model(), streams[:1], Pace())  # warm-up
             results, long_result = asyncio.run(scenario())
             gaps = sorted(g * 1000 for r in results for g in r.itls_s)
@@ -190,7 +193,7 @@ def chunked(model: Path, draft: Path, tokenizer: Tokenizer) -> dict:
 def kv_bytes(model: Path, draft: Path) -> dict:
     from redline import LLM
 
-    llm = LLM(model, dtype="float32", draft=draft, num_draft_tokens=1, max_batch=1, max_seq_len=CONTEXT,
+    llm = LLM(model, dtype="float32", draft=draft, num_draft_tokens=1, max_batch=1, max_seq_len=LONG_CONTEXT,
               compile=False, progress=False)  # fmt: skip
     runner = llm.runner
     target = runner.cache.nbytes // (runner.cache.layers[0][0].shape[0] * 16)

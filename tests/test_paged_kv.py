@@ -154,3 +154,43 @@ def test_a_context_filled_to_the_limit_survives_preemption(tmp_path, tokenizer_d
     for prompt, c, alone_tokens in zip(prompts, got, want, strict=True):
         assert greedy_divergence_is_a_near_tie(small.model, prompt, c.token_ids, alone_tokens)
     assert small.runner.pool.available == small.runner.pool.num_blocks
+
+
+def _contiguous_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
+    """Greedy tokens from whole forwards over the sequence, no KV cache at all: the contiguous reference."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            hidden, _ = model(torch.tensor([seq]), torch.arange(len(seq))[None])
+            seq.append(int(model.greedy_tokens(hidden[:, -1:])[0, 0]))
+    return seq[len(prompt) :]
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize(
+    ("config", "draft"),
+    [
+        (llama3_hf_config, False),
+        (llama3_hf_config, True),
+        (llama4_hf_config, False),
+        (llama4_hf_config, True),
+    ],
+    ids=["llama3", "llama3-eagle3", "llama4", "llama4-eagle3"],
+)
+def test_paged_greedy_equals_a_contiguous_forward(tmp_path, tokenizer_dir, config, draft, batch):
+    """Prompts of 15, 16, 17, 31, 32, 33, 47 and 50 tokens (on both sides of block boundaries), 24 new
+    tokens each, one at a time or 8 at once: the engine's greedy tokens (blocks, block tables, chunked
+    prefill of 32 tokens, speculation at K = 3) equal whole forwards without a cache, up to an fp32 near
+    tie."""
+    hf = build_hf_model(config(), seed=int(torch.randint(0, 2**31, ())))
+    target = save_hf_model(hf, tmp_path / "t", tokenizer_dir)
+    kw = dict(dtype="float32", max_batch=batch, max_seq_len=128, compile=False, progress=False)
+    if draft:
+        kw.update(draft=write_random_draft(target, tmp_path / "d"), num_draft_tokens=3)
+    llm = LLM(target, max_prefill_tokens=32, **kw)
+    prompts = [torch.randint(5, 384, (n,)).tolist() for n in (15, 16, 17, 31, 32, 33, 47, 50)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    got = llm.generate(prompts, params) if batch > 1 else [llm.generate([p], params)[0] for p in prompts]
+    for prompt, c in zip(prompts, got, strict=True):
+        want = _contiguous_greedy(llm.model, prompt, 24)
+        assert greedy_divergence_is_a_near_tie(llm.model, prompt, c.token_ids, want)

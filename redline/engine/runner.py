@@ -304,6 +304,14 @@ class ModelRunner:
             hidden, aux = self.compiled_prefill(batch.tokens, batch.positions, tables, batch.kv_len)
         else:
             hidden, aux = self.model(batch.tokens, batch.positions, self.cache.layers, tables, batch.kv_len)
+        if not any(c.final for c in chunks):  # keys and values only: no first token, no proposals yet
+            if self.draft is not None:
+                assert self.draft_cache is not None and aux is not None
+                layer = self.draft_cache.layers[0]
+                self.draft(
+                    batch.next_tokens, self.draft.fuse(aux), batch.positions, layer, tables, batch.kv_len
+                )
+            return torch.zeros(len(chunks), dtype=torch.int64, device=self.device)
         last = batch.last[:, None]  # [B, 1]
         h_last = hidden.gather(1, last[..., None].expand(-1, -1, hidden.shape[-1]))  # [B, 1, H]
         sampling = self.sampling.take(slots)

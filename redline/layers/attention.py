@@ -102,6 +102,7 @@ class Attention(nn.Module):
         cache: tuple[torch.Tensor, torch.Tensor] | None,  # k, v: [blocks, kv_heads, BLOCK, head_dim]
     ) -> torch.Tensor:
         q, k, v = self.project(x, batch)
+        mask = batch.chunked_mask if self.chunked else batch.full_mask
         if cache is None:  # no cache: the T tokens attend to each other
             keys, values = k.transpose(1, 2), v.transpose(1, 2)
         else:
@@ -113,9 +114,37 @@ class Attention(nn.Module):
             if kernel is not None:
                 out = kernel(q, *cache, batch.positions, batch.tables, batch.kv_len, self.chunk)
                 return self.o_proj(out.reshape(*x.shape[:2], -1))
+            if not torch.compiler.is_compiling() and x.shape[0] > 1:
+                return self._attend_by_length(q, cache, batch, mask)
             keys, values = (gather_blocks(c, batch.tables, batch.kv_len).to(k.dtype) for c in cache)
-        mask = batch.chunked_mask if self.chunked else batch.full_mask
         return self.attend(q, keys, values, mask)
+
+    def _attend_by_length(
+        self,
+        q: torch.Tensor,  # [B, T, heads, head_dim]
+        cache: tuple[torch.Tensor, torch.Tensor],  # k, v: [blocks, kv_heads, BLOCK, head_dim]
+        batch: AttentionBatch,
+        mask: torch.Tensor,  # [B, 1, T, kv_len] bool
+    ) -> torch.Tensor:  # [B, T, hidden]
+        """Eager attention over gathered keys, the rows grouped by the keys they need: each group gathers
+        its rows' positions up to a power-of-two bucket (>= 64) of its longest, not every row up to
+        kv_len. The gather copies: a step of 64 rows where one request sits at 2,000 tokens and the rest
+        near 200 copies 2 buckets' worth (256 for 63 rows, 2,048 for one), not 64 x 2,048 positions.
+        Example: rows needing 70, 300 and 90 keys form groups 128 -> rows [0, 2] and 512 -> row [1]."""
+        needed = (batch.positions.amax(dim=1) + 1).tolist()  # host values: the CPU path only
+        groups: dict[int, list[int]] = {}
+        for row, n in enumerate(needed):
+            bucket = 64
+            while bucket < n:
+                bucket *= 2
+            groups.setdefault(min(bucket, batch.kv_len), []).append(row)
+        out = q.new_empty(q.shape)
+        for length, rows in groups.items():
+            index = torch.tensor(rows, device=q.device)
+            keys, values = (gather_blocks(c, batch.tables[index], length).to(q.dtype) for c in cache)
+            out[index] = self.core(q[index], keys, values, mask[index, :, :, :length])
+        b, t = q.shape[:2]
+        return self.o_proj(out.reshape(b, t, -1))
 
     def project(
         self, x: torch.Tensor, batch: AttentionBatch
