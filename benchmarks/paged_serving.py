@@ -9,11 +9,12 @@
    TTFT of hits vs misses (4 system prompts, 4 questions each, one at a time: the first of each is a
    miss) and output throughput of 32 such requests at concurrency 8, prefix caching on vs off;
 3. chunked: 8 streams decode (ignore_eos, 160 tokens; context 4,608); 3 s in, a 4,000-token prompt
-   arrives: the 8 streams' inter-token gaps (p99, max) with --max-prefill-tokens 512 vs 8,192 (one
-   forward);
+   arrives: the 8 streams' inter-token gaps (p99, max) with --max-prefill-tokens 128 and 512 vs 8,192
+   (the whole prompt in one forward);
 4. KV bytes per position and per request (target and draft), from the engine's own numbers.
 
-    .venv/bin/python benchmarks/paged_serving.py [--draft DIR] [--out benchmarks/results/paged_serving.json]
+    .venv/bin/python benchmarks/paged_serving.py [--draft DIR] [--parts kv,throughput,prefix,chunked]
+        [--out benchmarks/results/paged_serving.json]
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ def chunked(model: Path, draft: Path, tokenizer: Tokenizer) -> dict:
             return await asyncio.gather(*tasks), long_result
 
     out = {}
-    for budget in ("512", "8192"):
+    for budget in ("128", "512", "8192"):
         with Server(model, draft, "--max-batch", "256", "--max-prefill-tokens", budget, context=LONG_CONTEXT):
             replay(URL, _model(), streams[:1], Pace())  # warm-up
             results, long_result = asyncio.run(scenario())
