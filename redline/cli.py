@@ -13,9 +13,9 @@ from redline.config import ModelConfig
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model", required=True, type=Path, help="Hugging Face checkpoint directory or a llama .gguf file"
-    )
+    help = "checkpoint directory, llama .gguf file or Hugging Face Hub id (ORG/NAME)"
+    p.add_argument("--model", required=True, type=Path, help=help)
+    p.add_argument("--revision", default=None, help="with a hub id: the branch, tag or commit (default main)")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32 | fp8 (FP8 weights)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     add_tensor_parallel_arg(p)
@@ -76,6 +76,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     llm = LLM(
         args.model,
+        revision=args.revision,
         dtype=args.dtype,
         device=args.device,
         draft=args.draft,
@@ -116,7 +117,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def checkpoint_dir(path: Path) -> Path:
-    """A checkpoint directory as it is; a .gguf file: its bf16 import (made once, cached)."""
+    """A checkpoint directory as it is; a hub id: its snapshot; a .gguf file: its bf16 import (made once,
+    cached)."""
+    from redline.models import hub
+
+    path = hub.resolve(path)
     if path.suffix != ".gguf":
         return path
     import torch
@@ -431,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--draft", type=Path, default=None, help="EAGLE-3 draft directory (speculative decoding)")
+    g.add_argument("--draft", default=None, help="EAGLE-3 draft directory or hub id (speculative decoding)")
     g.add_argument("--num-draft-tokens", type=int, default=3, help="draft length K (1..8)")
     g.add_argument(
         "--compile",

@@ -14,6 +14,7 @@ from redline.config import ModelConfig
 from redline.engine.failures import GenerationError
 from redline.engine.request import Completion, Request
 from redline.engine.scheduler import Scheduler
+from redline.models import hub
 from redline.parallel import sharding, torchrun, workers
 from redline.parallel.group import SINGLE
 from redline.parallel.workers import ParallelRunner, RunnerSpec
@@ -102,8 +103,11 @@ class LLM:
         prefix_caching: bool = True,
         max_prefill_tokens: int | None = None,
         gpu_memory_utilization: float = 0.9,
+        revision: str | None = None,
     ):
-        """dtype "fp8" means bfloat16 activations with FP8 weights (quantization="fp8"); pdl launches the
+        """model (and draft): a checkpoint directory, a llama .gguf file, or a Hugging Face Hub id such as
+        "HuggingFaceTB/SmolLM2-135M-Instruct", fetched into the Hub's cache at `revision` (models/hub.py).
+        dtype "fp8" means bfloat16 activations with FP8 weights (quantization="fp8"); pdl launches the
         Triton kernels with programmatic dependent launch (Hopper or newer GPUs); kv_cache_dtype "fp8"
         stores keys and values in e4m3 (scale 1), half the bytes of bf16. compile (default: on CPU, see
         kernels.select.compile_by_default; compile=False runs eager) torch.compiles the decode step and the
@@ -119,7 +123,8 @@ class LLM:
         prefixes computed before (engine/blocks.py). max_prefill_tokens bounds one prefill forward (padding
         included): longer prompts prefill in chunks between decode steps, shorter ones several in one
         forward; None (the default) prefills every prompt whole, batch-1 latency first."""
-        model_dir = Path(model)
+        model_dir = hub.resolve(model, revision)  # a directory, a .gguf file, or a hub id's snapshot
+        draft = None if draft is None else hub.resolve(draft)
         if dtype == "fp8":
             dtype, quantization = "bfloat16", "fp8"
         torch_dtype = parse_dtype(dtype)

@@ -1,7 +1,8 @@
 """Parsing and validating /v1/completions and /v1/chat/completions bodies into engine inputs.
 
-Every check names the offending field. Unknown fields are ignored (clients send many); fields whose
-non-default values redline cannot honour (n > 1, logprobs, penalties, echo, tools) are rejected.
+Every check names the offending field. Unknown fields are ignored (clients send many: user, metadata,
+store, ...); fields whose non-default values would change the output and that redline cannot honour
+yet (n > 1, logprobs, echo, penalties, min_p, response_format, tools, guided decoding) are rejected.
 """
 
 from __future__ import annotations
@@ -90,9 +91,18 @@ def _unsupported(data: dict) -> None:
     for key in ("presence_penalty", "frequency_penalty"):
         if _number(data, key, 0.0, -2.0, 2.0) != 0.0:
             raise invalid(key, "is not supported (use 0)")
-    for key in ("logprobs", "top_logprobs", "echo", "tools", "functions", "logit_bias", "suffix"):
+    for key in ("logprobs", "top_logprobs", "echo", "tools", "functions", "logit_bias", "suffix", "min_p",
+                "prompt_logprobs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                "structured_outputs"):  # fmt: skip
         if data.get(key) not in (None, False, 0, [], {}, ""):
             raise invalid(key, "is not supported")
+    for key, neutral in (("repetition_penalty", 1), ("length_penalty", 1)):
+        if data.get(key) not in (None, neutral):
+            raise invalid(key, f"is not supported (use {neutral})")
+    if data.get("response_format") not in (None, {"type": "text"}):
+        raise invalid("response_format", 'is not supported (only {"type": "text"})')
+    if data.get("tool_choice") not in (None, "none"):
+        raise invalid("tool_choice", 'is not supported (only "none")')
 
 
 def _sampling(data: dict, max_tokens: int, stops: list[str]) -> SamplingParams:

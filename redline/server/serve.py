@@ -32,6 +32,30 @@ def mode_settings(
     return max_batch or MAX_THROUGHPUT_SLOTS, has_draft and not no_speculation
 
 
+def served_name(model: str) -> str:
+    """The model id clients send by default: a directory's name, a .gguf file's stem, a hub id itself
+    (as vLLM serves it). "ckpt/llama-8b" (a directory) -> "llama-8b"; "meta-llama/Llama-3.1-8B" (no such
+    directory) -> "meta-llama/Llama-3.1-8B"."""
+    from pathlib import Path
+
+    path = Path(model)
+    if not path.exists():
+        return model
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def _model_argument(args: argparse.Namespace) -> str:
+    """The model, positional (as `vllm serve ORG/NAME`) or --model; not both, not neither."""
+    if args.model and args.model_flag and args.model != args.model_flag:
+        raise ValueError(f"two models given: {args.model!r} and --model {args.model_flag!r}")
+    model = args.model or args.model_flag
+    if not model:
+        raise ValueError(
+            "no model given: redline serve MODEL (a directory, a .gguf file or a hub id ORG/NAME)"
+        )
+    return model
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -48,6 +72,7 @@ def serve(args: argparse.Namespace) -> int:
 
     log = logging.getLogger("redline.server")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model = _model_argument(args)
     slots, speculate = mode_settings(args.mode, args.max_batch, args.draft is not None, args.no_speculation)
     prefill_tokens = args.max_prefill_tokens
     if prefill_tokens is None and args.mode == "max-throughput":
@@ -55,7 +80,8 @@ def serve(args: argparse.Namespace) -> int:
     if args.mode == "min-latency" and args.draft is None:
         log.warning("min-latency mode without --draft: serving without speculation")
     llm = LLM(
-        args.model, dtype=args.dtype, device=args.device, max_batch=slots, max_seq_len=args.max_seq_len,
+        model, revision=args.revision, dtype=args.dtype, device=args.device, max_batch=slots,
+        max_seq_len=args.max_seq_len,
         draft=args.draft if speculate else None, num_draft_tokens=args.num_draft_tokens, compile=args.compile,
         tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -63,12 +89,12 @@ def serve(args: argparse.Namespace) -> int:
     )  # fmt: skip
     if llm.warmup_s:
         log.info("warm-up: every prefill and step shape compiled in %.1f s", llm.warmup_s)
-    name = args.served_model_name or (args.model.stem if args.model.suffix == ".gguf" else args.model.name)
+    name = args.served_model_name or served_name(model)
     api_key = args.api_key or os.environ.get("REDLINE_API_KEY")
     server = Server(llm, name, api_key, max_queue=args.max_queue)
     log.info(
         "serving %s as %r on http://%s:%d (%s: %d slots, speculation %s, context %d tokens)",
-        args.model, name, args.host, args.port, args.mode, slots,
+        model, name, args.host, args.port, args.mode, slots,
         f"K={llm.num_draft_tokens}" if speculate else "off", llm.max_seq_len,
     )  # fmt: skip
     app = create_app(server, start_engine=False)
@@ -104,13 +130,15 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    from pathlib import Path
 
     from redline.cli import add_kv_args, add_tensor_parallel_arg
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    s.add_argument("--model", required=True, type=Path)
-    s.add_argument("--draft", type=Path, default=None, help="EAGLE-3 draft directory")
+    help = "checkpoint directory, llama .gguf file or Hugging Face Hub id (ORG/NAME); or --model"
+    s.add_argument("model", nargs="?", default=None, help=help)
+    s.add_argument("--model", dest="model_flag", default=None, metavar="MODEL", help="the same as MODEL")
+    s.add_argument("--revision", default=None, help="with a hub id: the branch, tag or commit (default main)")
+    s.add_argument("--draft", default=None, help="EAGLE-3 draft directory or hub id")
     s.add_argument("--num-draft-tokens", type=int, default=3)
     s.add_argument("--mode", choices=("min-latency", "max-throughput"), default="min-latency")
     s.add_argument("--max-batch", type=int, default=None, help="slots (max-throughput default 256)")
