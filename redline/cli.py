@@ -55,11 +55,21 @@ def add_kv_args(p: argparse.ArgumentParser, max_prefill_default: str = "whole pr
     help = "CUDA without --kv-cache-memory: the share of the device's memory for weights, activations and "
     help += "KV blocks (default 0.9)"
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="FRACTION", help=help)
-    help = "do not reuse the KV blocks of prompt prefixes computed before"
-    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false", help=help)
+    help = "do not reuse the KV blocks of prompt prefixes computed before (vLLM: --no-enable-prefix-caching)"
+    no = ("--no-prefix-caching", "--no-enable-prefix-caching")
+    p.add_argument(*no, dest="prefix_caching", action="store_false", help=help)
+    p.add_argument(
+        "--enable-prefix-caching",
+        dest="prefix_caching",
+        action="store_true",
+        default=True,
+        help="the default",
+    )
     help = "tokens of one prefill forward (longer prompts prefill in chunks between decode steps; "
-    help += f"default: {max_prefill_default})"
-    p.add_argument("--max-prefill-tokens", type=int, default=None, metavar="N", help=help)
+    help += f"default: {max_prefill_default}); vLLM's --max-num-batched-tokens"
+    p.add_argument(
+        "--max-prefill-tokens", "--max-num-batched-tokens", type=int, default=None, metavar="N", help=help
+    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -166,6 +166,29 @@ def test_a_shared_prompt_prefix_is_served_from_the_cache(client, url):
     assert _counter(url, "redline_prefix_cache_queries_total") - queries >= 2 * cached
 
 
+def test_tokenize_and_detokenize_as_vllm_serves_them(url, server):
+    tokenizer = server.llm.tokenizer
+    messages = [{"role": "user", "content": "Write a loop."}]
+    with httpx.Client(base_url=url, timeout=30) as http:
+        out = http.post("/tokenize", json={"model": MODEL, "prompt": "def main():"}).json()
+        assert out == {"count": len(tokenizer.encode("def main():")), "max_model_len": 512,
+                       "tokens": tokenizer.encode("def main():")}  # fmt: skip
+        bare = http.post("/tokenize", json={"prompt": "x = 1", "add_special_tokens": False}).json()
+        assert bare["tokens"] == tokenizer.encode("x = 1", add_special_tokens=False)
+        chat = http.post("/tokenize", json={"model": MODEL, "messages": messages}).json()
+        assert chat["tokens"] == tokenizer.encode_chat(messages)
+        back = http.post("/detokenize", json={"model": MODEL, "tokens": out["tokens"]}).json()
+        assert back == {"prompt": tokenizer.decode(out["tokens"])} and "def main():" in back["prompt"]
+        for path, body, field in [
+            ("/tokenize", {"prompt": 5}, "prompt"),
+            ("/detokenize", {"tokens": [1, "a"]}, "tokens"),
+            ("/detokenize", {"tokens": [10**9]}, "tokens"),
+            ("/tokenize", {"model": "other", "prompt": "x"}, "model"),
+        ]:
+            response = http.post(path, json=body)
+            assert response.status_code in (400, 404) and response.json()["error"]["param"] == field
+
+
 LONG = "word " * 600
 
 

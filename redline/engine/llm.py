@@ -33,11 +33,20 @@ DTYPES = {
 }
 
 
+def checkpoint_dtype(model_dir: Path) -> str:
+    """dtype "auto": the checkpoint's own (config.json's torch_dtype, or dtype as transformers 5 writes it),
+    bfloat16 when it names none or is not a directory (a .gguf file)."""
+    path = model_dir / "config.json"
+    raw = json.loads(path.read_text()) if path.is_file() else {}
+    name = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
+    return name if name in DTYPES else "bfloat16"
+
+
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
     if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}, fp8")
+        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}, fp8, auto")
     return DTYPES[name]
 
 
@@ -125,6 +134,8 @@ class LLM:
         forward; None (the default) prefills every prompt whole, batch-1 latency first."""
         model_dir = hub.resolve(model, revision)  # a directory, a .gguf file, or a hub id's snapshot
         draft = None if draft is None else hub.resolve(draft)
+        if dtype == "auto":
+            dtype = checkpoint_dtype(model_dir)
         if dtype == "fp8":
             dtype, quantization = "bfloat16", "fp8"
         torch_dtype = parse_dtype(dtype)

@@ -25,7 +25,7 @@ from redline.engine.request import Request as EngineRequest
 from redline.server.engine_loop import EngineLoop, EngineUnavailable, Event, QueueFull
 from redline.server.errors import APIError, internal
 from redline.server.metrics import Metrics
-from redline.server.protocol import Parsed, parse_json, parse_request
+from redline.server.protocol import Parsed, parse_detokenize, parse_json, parse_request, parse_tokenize
 from redline.tokenizer import TokenizerError
 
 MAX_BODY_BYTES = 1 << 20
@@ -76,7 +76,7 @@ class Server:
         """Templates and tokenizes a parsed body (slow: run it off the event loop); a chat template that
         raises is the messages' 400."""
         if parsed.messages is not None:
-            ids = self._chat_ids(parsed.messages)
+            ids = self.chat_ids(parsed.messages)
         elif isinstance(parsed.prompt, str):
             ids = self.llm.tokenizer.encode(parsed.prompt)
         else:
@@ -89,9 +89,10 @@ class Server:
         except ValueError as e:
             raise APIError(400, str(e), "max_tokens" if "context window" in str(e) else "prompt") from e
 
-    def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """The rendered chat's token ids; a chat template that raises is the messages' 400."""
         try:
-            return self.llm.tokenizer.encode_chat(messages)
+            return self.llm.tokenizer.encode_chat(messages, add_generation_prompt)
         except TokenizerError as e:  # jinja2 errors, raise_exception(...) in the template
             raise APIError(400, f"messages: {e}", "messages") from e
         except Exception as e:  # templates are code: they may fail in plain Python on odd messages
@@ -244,6 +245,26 @@ def create_app(server: Server, start_engine: bool = True) -> FastAPI:
         card = {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "redline",
                 "max_model_len": server.llm.max_seq_len}  # fmt: skip
         return {"object": "list", "data": [card]}
+
+    @app.post("/tokenize")
+    async def tokenize(http: Request) -> dict:
+        """vLLM's /tokenize: a prompt's (or chat's) token ids, their count and the context window."""
+        server.check_key(http)
+        parsed = parse_tokenize(parse_json(await server.read_body(http)), server.model_name)
+        tokenizer = server.llm.tokenizer
+        if parsed.messages is not None:
+            ids = await asyncio.to_thread(server.chat_ids, parsed.messages, parsed.add_generation_prompt)
+        else:
+            ids = await asyncio.to_thread(tokenizer.encode, parsed.prompt, parsed.add_special_tokens)
+        return {"count": len(ids), "max_model_len": server.llm.max_seq_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(http: Request) -> dict:
+        """vLLM's /detokenize: token ids back to text."""
+        server.check_key(http)
+        data = parse_json(await server.read_body(http))
+        tokens = parse_detokenize(data, server.model_name, server.llm.config.vocab_size)
+        return {"prompt": server.llm.tokenizer.decode(tokens)}
 
     async def generate(http: Request, chat: bool) -> Response:
         try:

@@ -191,9 +191,7 @@ def parse_request(data: dict, chat: bool, served_model: str, context: int, vocab
     model = data.get("model")
     if not isinstance(model, str):
         raise invalid("model", "is required and must be a string")
-    if model != served_model:
-        raise APIError(404, f"model {model!r} does not exist; this server serves {served_model!r}", "model",
-                       "not_found_error")  # fmt: skip
+    _model_if_given(data, served_model)
     _unsupported(data)
     stream = _boolean(data, "stream")
     keys = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
@@ -208,3 +206,41 @@ def parse_request(data: dict, chat: bool, served_model: str, context: int, vocab
         include_usage=_stream_options(data, stream),
         max_tokens_given=max_tokens is not None,
     )
+
+
+@dataclass
+class TokenizeRequest:
+    """POST /tokenize (as vLLM serves it): a prompt, or chat messages to render with the template."""
+
+    prompt: str | None
+    messages: list[dict[str, str]] | None
+    add_special_tokens: bool
+    add_generation_prompt: bool
+
+
+def _model_if_given(data: dict, served_model: str) -> None:
+    model = data.get("model")
+    if model is not None and model != served_model:
+        raise APIError(404, f"model {model!r} does not exist; this server serves {served_model!r}", "model",
+                       "not_found_error")  # fmt: skip
+
+
+def parse_tokenize(data: dict, served_model: str) -> TokenizeRequest:
+    _model_if_given(data, served_model)
+    if "messages" in data:
+        return TokenizeRequest(None, _messages(data), False, _boolean(data, "add_generation_prompt", True))
+    prompt = data.get("prompt")
+    if not isinstance(prompt, str):
+        raise invalid("prompt", "is required and must be a string (or give messages)")
+    return TokenizeRequest(prompt, None, _boolean(data, "add_special_tokens", True), False)
+
+
+def parse_detokenize(data: dict, served_model: str, vocab_size: int) -> list[int]:
+    """POST /detokenize: the token ids to turn back into text."""
+    _model_if_given(data, served_model)
+    tokens = data.get("tokens")
+    if not isinstance(tokens, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in tokens):
+        raise invalid("tokens", "is required and must be a list of token ids")
+    if any(not 0 <= t < vocab_size for t in tokens):
+        raise invalid("tokens", f"token ids must be in [0, {vocab_size})")
+    return tokens

@@ -13,6 +13,7 @@ streams keep decoding while a long prompt arrives.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -56,6 +57,44 @@ def _model_argument(args: argparse.Namespace) -> str:
     return model
 
 
+def speculative_config(text: str) -> tuple[str, int]:
+    """vLLM's --speculative-config JSON -> (draft, K): '{"method": "eagle3", "model": "DIR",
+    "num_speculative_tokens": 3}' -> ("DIR", 3)."""
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config is not JSON: {e}") from e
+    if not isinstance(config, dict) or config.get("method") not in ("eagle3", None):
+        raise ValueError(f'--speculative-config: only "method": "eagle3" is supported, got {config!r}')
+    if not isinstance(config.get("model"), str):
+        raise ValueError('--speculative-config needs "model": the EAGLE-3 draft directory or hub id')
+    k = config.get("num_speculative_tokens", 3)
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise ValueError(f"--speculative-config: num_speculative_tokens must be an integer, got {k!r}")
+    return config["model"], k
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """LLM(...)'s arguments from the serve command line (redline's flags or their vLLM spellings)."""
+    draft, k = args.draft, args.num_draft_tokens
+    if args.speculative_config is not None:
+        if draft is not None:
+            raise ValueError("give the draft once: --draft or --speculative-config")
+        draft, k = speculative_config(args.speculative_config)
+    slots, speculate = mode_settings(args.mode, args.max_batch, draft is not None, args.no_speculation)
+    prefill_tokens = args.max_prefill_tokens
+    if prefill_tokens is None and args.mode == "max-throughput":
+        prefill_tokens = MAX_THROUGHPUT_PREFILL_TOKENS
+    return dict(
+        model=_model_argument(args), revision=args.revision, dtype=args.dtype, device=args.device,
+        max_batch=slots, max_seq_len=args.max_seq_len, draft=draft if speculate else None,
+        num_draft_tokens=k, compile=args.compile, tensor_parallel_size=args.tensor_parallel_size,
+        expert_parallel=args.expert_parallel, kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization, prefix_caching=args.prefix_caching,
+        max_prefill_tokens=prefill_tokens,
+    )  # fmt: skip
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -72,21 +111,11 @@ def serve(args: argparse.Namespace) -> int:
 
     log = logging.getLogger("redline.server")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    model = _model_argument(args)
-    slots, speculate = mode_settings(args.mode, args.max_batch, args.draft is not None, args.no_speculation)
-    prefill_tokens = args.max_prefill_tokens
-    if prefill_tokens is None and args.mode == "max-throughput":
-        prefill_tokens = MAX_THROUGHPUT_PREFILL_TOKENS
-    if args.mode == "min-latency" and args.draft is None:
-        log.warning("min-latency mode without --draft: serving without speculation")
-    llm = LLM(
-        model, revision=args.revision, dtype=args.dtype, device=args.device, max_batch=slots,
-        max_seq_len=args.max_seq_len,
-        draft=args.draft if speculate else None, num_draft_tokens=args.num_draft_tokens, compile=args.compile,
-        tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel,
-        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
-        prefix_caching=args.prefix_caching, max_prefill_tokens=prefill_tokens,
-    )  # fmt: skip
+    options = engine_options(args)
+    model, slots, speculate = options["model"], options["max_batch"], options["draft"] is not None
+    if args.mode == "min-latency" and not speculate:
+        log.warning("min-latency mode without a draft: serving without speculation")
+    llm = LLM(**options)
     if llm.warmup_s:
         log.info("warm-up: every prefill and step shape compiled in %.1f s", llm.warmup_s)
     name = args.served_model_name or served_name(model)
@@ -141,13 +170,16 @@ def add_parser(sub) -> None:
     s.add_argument("--draft", default=None, help="EAGLE-3 draft directory or hub id")
     s.add_argument("--num-draft-tokens", type=int, default=3)
     s.add_argument("--mode", choices=("min-latency", "max-throughput"), default="min-latency")
-    s.add_argument("--max-batch", type=int, default=None, help="slots (max-throughput default 256)")
+    help = "slots (max-throughput default 256); vLLM's --max-num-seqs"
+    s.add_argument("--max-batch", "--max-num-seqs", type=int, default=None, help=help)
     s.add_argument("--no-speculation", action="store_true", help="ignore --draft (max-throughput A/B)")
     s.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
-    s.add_argument(
-        "--max-seq-len", type=int, default=None, help="context window (default: the model's, <= 4096)"
-    )
-    s.add_argument("--dtype", default="float32")
+    help = "context window (default: the model's, <= 4096); vLLM's --max-model-len"
+    s.add_argument("--max-seq-len", "--max-model-len", type=int, default=None, help=help)
+    help = "float32 | bfloat16 | float16 | fp8 | auto (the checkpoint's)"
+    s.add_argument("--dtype", default="float32", help=help)
+    help = """vLLM's form of --draft: '{"method": "eagle3", "model": DIR, "num_speculative_tokens": 3}'"""
+    s.add_argument("--speculative-config", default=None, metavar="JSON", help=help)
     s.add_argument("--device", default="cpu")
     add_tensor_parallel_arg(s)
     add_kv_args(s, f"min-latency: whole prompts; max-throughput: {MAX_THROUGHPUT_PREFILL_TOKENS}")
