@@ -18,9 +18,11 @@ from conftest import (
 
 from redline import LLM, SamplingParams
 from redline.cli import main, parse_bytes
+from redline.config import ModelConfig
 from redline.engine.failures import GenerationError
-from redline.engine.kv_cache import BLOCK
-from redline.models.random_init import write_random_draft
+from redline.engine.kv_cache import BLOCK, KVCache
+from redline.models.llama import LlamaForCausalLM
+from redline.models.random_init import normal_init, write_random_draft
 
 
 @pytest.mark.parametrize(
@@ -194,3 +196,24 @@ def test_paged_greedy_equals_a_contiguous_forward(tmp_path, tokenizer_dir, confi
     for prompt, c in zip(prompts, got, strict=True):
         want = _contiguous_greedy(llm.model, prompt, 24)
         assert greedy_divergence_is_a_near_tie(llm.model, prompt, c.token_ids, want)
+
+
+@torch.inference_mode()
+def test_rows_grouped_by_the_keys_they_need_attend_as_each_row_alone():
+    """The eager CPU path groups a batch's rows by their kv bucket (64, 512 and 128 here): two tokens in
+    each of three slots holding 20, 300 and 70 positions give what each row gives alone (one gather)."""
+    config = ModelConfig.from_dict({**llama3_hf_config().to_dict(), "architectures": ["LlamaForCausalLM"]})
+    model = LlamaForCausalLM(config).eval()
+    normal_init(model, std=0.1)
+    cache = KVCache(config, 3, 512, torch.float32, torch.device("cpu"))
+    lengths = (20, 300, 70)
+    for slot, n in enumerate(lengths):
+        model(torch.randint(5, 384, (1, n)), torch.arange(n)[None], cache.layers, cache.tables(slot, 1), 512)
+    tokens = torch.randint(5, 384, (3, 2))
+    positions = torch.tensor([[n, n + 1] for n in lengths])
+    alone = [
+        model(tokens[s : s + 1], positions[s : s + 1], cache.layers, cache.tables(s, 1), 512)[0]
+        for s in range(3)
+    ]
+    together, _ = model(tokens, positions, cache.layers, cache.tables(0, 3), 512)
+    torch.testing.assert_close(together, torch.cat(alone), atol=1e-5, rtol=1e-5)

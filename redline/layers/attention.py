@@ -114,7 +114,7 @@ class Attention(nn.Module):
             if kernel is not None:
                 out = kernel(q, *cache, batch.positions, batch.tables, batch.kv_len, self.chunk)
                 return self.o_proj(out.reshape(*x.shape[:2], -1))
-            if not torch.compiler.is_compiling() and x.shape[0] > 1:
+            if x.device.type == "cpu" and not torch.compiler.is_compiling() and x.shape[0] > 1:
                 return self._attend_by_length(q, cache, batch, mask)
             keys, values = (gather_blocks(c, batch.tables, batch.kv_len).to(k.dtype) for c in cache)
         return self.attend(q, keys, values, mask)
