@@ -80,6 +80,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
+        min_p=args.min_p,
         seed=args.seed,
         stop=args.stop,
         ignore_eos=args.ignore_eos,
@@ -443,6 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")

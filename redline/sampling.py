@@ -20,6 +20,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = whole vocabulary
+    min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability; 0 = off
     seed: int | None = None  # None: a fresh random seed per request
     stop: list[str] | str | None = None
     ignore_eos: bool = False
@@ -32,6 +33,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if self.seed is not None and not isinstance(self.seed, int):
@@ -81,20 +84,25 @@ class SamplingTensors:
     top_k: torch.Tensor  # [B] int64, 0 = off
     top_p: torch.Tensor  # [B] fp32
     seed: torch.Tensor  # [B] int64
+    min_p: torch.Tensor  # [B] fp32, 0 = off
 
     def rows(self, start: int, stop: int) -> SamplingTensors:
         """Views of rows start .. stop - 1 (a batch bucket, or one slot for prefill)."""
         w = slice(start, stop)
-        return SamplingTensors(self.temperature[w], self.top_k[w], self.top_p[w], self.seed[w])
+        return SamplingTensors(self.temperature[w], self.top_k[w], self.top_p[w], self.seed[w], self.min_p[w])
 
     def take(self, slots: torch.Tensor) -> SamplingTensors:
         """The rows of `slots` [B] (a batched prefill's), in that order."""
         t = self
-        return SamplingTensors(t.temperature[slots], t.top_k[slots], t.top_p[slots], t.seed[slots])
+        return SamplingTensors(
+            t.temperature[slots], t.top_k[slots], t.top_p[slots], t.seed[slots], t.min_p[slots]
+        )
 
 
 def filtered_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """Temperature, then top-k, then top-p, as one distribution per row.
+    """Temperature, then top-k, then top-p, then min-p (HF's order), as one distribution per row. The
+    draft's proposals and the target's verification filter alike, so speculation samples exactly the
+    filtered target distribution.
 
     logits [B, T, V] fp32 -> probs [B, T, V] fp32. Greedy rows (temperature 0) get a one-hot on the argmax.
     """
@@ -109,6 +117,10 @@ def filtered_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     # keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is < top_p
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     sorted_probs = sorted_probs.masked_fill(mass_before >= t.top_p[:, None, None], 0.0)
+    # min-p: keep what reaches min_p x the largest probability (sorted: column 0), e.g. 0.1 of 0.6 -> 0.06
+    sorted_probs = sorted_probs.masked_fill(
+        sorted_probs < t.min_p[:, None, None] * sorted_probs[..., :1], 0.0
+    )
     sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
     probs = torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)
     one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), vocab).float()

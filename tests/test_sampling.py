@@ -15,12 +15,13 @@ from redline.sampling import (
 )
 
 
-def tensors(temperature, top_k=0, top_p=1.0, seed=0, rows=1) -> SamplingTensors:
+def tensors(temperature, top_k=0, top_p=1.0, seed=0, rows=1, min_p=0.0) -> SamplingTensors:
     return SamplingTensors(
         temperature=torch.full((rows,), float(temperature)),
         top_k=torch.full((rows,), top_k, dtype=torch.int64),
         top_p=torch.full((rows,), float(top_p)),
         seed=torch.full((rows,), seed, dtype=torch.int64),
+        min_p=torch.full((rows,), float(min_p)),
     )
 
 
@@ -39,6 +40,11 @@ def test_filters_on_hand_built_logits():
     torch.testing.assert_close(hot[0, 0], torch.tensor([16, 9, 4, 1]) / 30.0)
     greedy = filtered_probs(logits, tensors(0.0))
     torch.testing.assert_close(greedy[0, 0], torch.tensor([1.0, 0, 0, 0]))
+    # min_p 0.4: keep what reaches 0.4 x 0.4 = 0.16; after top_p 0.5 (0.4, 0.3 kept), min_p 0.8: 0.32
+    min_p = filtered_probs(logits, tensors(1.0, min_p=0.4))
+    torch.testing.assert_close(min_p[0, 0], torch.tensor([4 / 9, 3 / 9, 2 / 9, 0]))
+    torch.testing.assert_close(filtered_probs(logits, tensors(1.0, top_p=0.5, min_p=0.8))[0, 0],
+                               torch.tensor([1.0, 0, 0, 0]))  # fmt: skip
 
 
 def test_filters_keep_vocab_order_on_shuffled_logits():

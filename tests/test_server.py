@@ -241,7 +241,7 @@ MALFORMED = [
     ("POST", "/v1/chat/completions", {"model": MODEL, "messages": ["hi"]}, 400),
     ("POST", "/v1/chat/completions", {"model": MODEL, "messages": USER, "max_completion_tokens": -1}, 400),
     ("POST", "/v1/chat/completions", {"model": MODEL, "messages": USER, "tools": [{"a": 1}]}, 400),
-    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": USER, "min_p": 0.1}, 400),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": USER, "min_p": 1.5}, 400),
     ("POST", "/v1/chat/completions", {"model": MODEL, "messages": USER, "repetition_penalty": 1.2}, 400),
     ("POST", "/v1/chat/completions", {"model": MODEL, "messages": USER, "response_format": JSON_MODE}, 400),
     ("POST", "/v1/chat/completions", {"model": MODEL, "messages": USER, "tool_choice": "auto"}, 400),

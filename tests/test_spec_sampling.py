@@ -46,7 +46,9 @@ def tiny_vocab_pair(tmp_path_factory):
     return target_dir, draft_dir
 
 
-def exact_marginals(model, temperature: float, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+def exact_marginals(
+    model, temperature: float, top_p: float, min_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """P(x2) and P(x3) under plain sampling from the filtered target distribution."""
 
     def next_probs(prefixes: torch.Tensor) -> torch.Tensor:  # [N, T] -> [N, V]
@@ -58,6 +60,7 @@ def exact_marginals(model, temperature: float, top_p: float) -> tuple[torch.Tens
             torch.zeros(n, dtype=torch.int64),
             torch.full((n,), top_p),
             torch.zeros(n, dtype=torch.int64),
+            torch.full((n,), min_p),
         )
         return filtered_probs(model.logits(hidden[:, -1:]), t)[:, 0]
 
@@ -83,23 +86,25 @@ def chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
     return stat, int(keep.sum()) - 1
 
 
-@pytest.mark.parametrize("top_p", [1.0, 0.8])
-def test_sampled_tokens_follow_the_target_distribution(tiny_vocab_pair, top_p):
+@pytest.mark.parametrize(("top_p", "min_p"), [(1.0, 0.0), (0.8, 0.0), (1.0, 0.2)])
+def test_sampled_tokens_follow_the_target_distribution(tiny_vocab_pair, top_p, min_p):
     target_dir, draft_dir = tiny_vocab_pair
     llm = LLM(target_dir, dtype="float32", max_batch=32, draft=draft_dir, num_draft_tokens=2)
     n, temperature = 3000, 1.0
     base = torch.randint(0, 2**40, (1,)).item()
     params = [
-        SamplingParams(max_tokens=3, temperature=temperature, top_p=top_p, seed=base + i, ignore_eos=True)
+        SamplingParams(
+            max_tokens=3, temperature=temperature, top_p=top_p, min_p=min_p, seed=base + i, ignore_eos=True
+        )
         for i in range(n)
     ]
     completions = llm.generate([PROMPT] * n, params)
     tokens = torch.tensor([c.token_ids for c in completions])  # [n, 3]
     rates = torch.tensor([c.acceptance_rates[0] for c in completions])
     assert 0.05 < rates.mean() < 0.95, "both the accept and the reject path must be exercised"
-    p2, p3 = exact_marginals(llm.model, temperature, top_p)
+    p2, p3 = exact_marginals(llm.model, temperature, top_p, min_p)
     for position, probs in ((1, p2), (2, p3)):
         counts = torch.bincount(tokens[:, position], minlength=VOCAB)
-        assert counts[probs == 0].sum() == 0, "a token outside the top-p set was emitted"
+        assert counts[probs == 0].sum() == 0, "a token outside the top-p / min-p set was emitted"
         stat, df = chi2(counts, probs)
         assert stat < chi2_critical(df), f"token {position + 1}: chi2 {stat:.1f} (df {df})"

@@ -99,6 +99,7 @@ class ModelRunner:
             top_k=torch.zeros(slots, dtype=torch.int64, device=self.device),
             top_p=torch.ones(slots, device=self.device),
             seed=torch.zeros(slots, dtype=torch.int64, device=self.device),
+            min_p=torch.zeros(slots, device=self.device),
         )
         self.sampling_slots: set[int] = set()  # slots whose request samples (temperature > 0)
         self.prefilled_tokens = 0  # prompt positions computed by prefill (prefix-cache hits are not)
@@ -380,6 +381,7 @@ class ModelRunner:
         s.temperature[slot] = params.temperature
         s.top_k[slot] = params.top_k
         s.top_p[slot] = params.top_p
+        s.min_p[slot] = params.min_p
         s.seed[slot] = (seed ^ (seed >> 32)) & 0xFFFFFFFF
         if not params.greedy:
             self.sampling_slots.add(slot)

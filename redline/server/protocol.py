@@ -2,7 +2,7 @@
 
 Every check names the offending field. Unknown fields are ignored (clients send many: user, metadata,
 store, ...); fields whose non-default values would change the output and that redline cannot honour
-yet (n > 1, logprobs, echo, penalties, min_p, response_format, tools, guided decoding) are rejected.
+yet (n > 1, logprobs, echo, penalties, response_format, tools, guided decoding) are rejected.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def _unsupported(data: dict) -> None:
     for key in ("presence_penalty", "frequency_penalty"):
         if _number(data, key, 0.0, -2.0, 2.0) != 0.0:
             raise invalid(key, "is not supported (use 0)")
-    for key in ("logprobs", "top_logprobs", "echo", "tools", "functions", "logit_bias", "suffix", "min_p",
+    for key in ("logprobs", "top_logprobs", "echo", "tools", "functions", "logit_bias", "suffix",
                 "prompt_logprobs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                 "structured_outputs"):  # fmt: skip
         if data.get(key) not in (None, False, 0, [], {}, ""):
@@ -114,6 +114,7 @@ def _sampling(data: dict, max_tokens: int, stops: list[str]) -> SamplingParams:
         temperature=_number(data, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(data, "top_p", 1.0, 0.0, 1.0, low_open=True),
         top_k=_integer(data, "top_k", 0) or 0,
+        min_p=_number(data, "min_p", 0.0, 0.0, 1.0),
         seed=seed,
         stop=stops,
         ignore_eos=_boolean(data, "ignore_eos"),
