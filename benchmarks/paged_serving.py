@@ -35,6 +35,7 @@ import torch
 from redline.benchmark.load import Pace, Request, Result, replay, send
 from redline.benchmark.machine import describe
 from redline.benchmark.prompts import sharegpt_requests
+from redline.benchmark.serve_bench import PREFIX_HITS, PREFIX_QUERIES, scrape_metrics
 from redline.benchmark.serve_report import summarize
 from redline.data import sharegpt
 from redline.models.gguf import gguf_model_dir, smollm2_gguf
@@ -75,13 +76,6 @@ class Server:
     def __exit__(self, *exc: object) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=60)
-
-
-def metric(name: str) -> float:
-    for line in httpx.get(URL + "/metrics", timeout=30).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    return 0.0
 
 
 def throughput(model: Path, draft: Path, tokenizer: Tokenizer, kv_per_position: int) -> list[dict]:
@@ -141,10 +135,8 @@ def prefix(model: Path, draft: Path, tokenizer: Tokenizer) -> dict:
                 for j, q in enumerate(questions[4 * i : 4 * i + 4]):
                     [result] = replay(URL, _model(), [chat(system, q)], Pace()).results
                     ttft["first" if j == 0 else "later"].append(result.ttft_s * 1000)
-            queries, hits = (
-                metric("redline_prefix_cache_queries_total"),
-                metric("redline_prefix_cache_hits_total"),
-            )
+            samples = scrape_metrics(URL)
+            queries, hits = samples[PREFIX_QUERIES], samples[PREFIX_HITS]
             shared = [chat(systems[0], q) for q in questions[:32]]
             summary = summarize(replay(URL, _model(), shared, Pace(max_concurrency=8)))
             out[name] = {"ttft_first_ms": ttft["first"], "ttft_later_ms": ttft["later"],

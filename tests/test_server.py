@@ -17,6 +17,7 @@ pytest.importorskip("uvicorn")
 from live_server import live  # noqa: E402
 
 from redline import LLM, SamplingParams  # noqa: E402
+from redline.benchmark.serve_bench import PREFIX_HITS, PREFIX_QUERIES, scrape_metrics  # noqa: E402
 from redline.server.app import Server  # noqa: E402
 from redline.server.engine_loop import EngineLoop, QueueFull  # noqa: E402
 from redline.server.serve import mode_settings  # noqa: E402
@@ -143,18 +144,11 @@ def test_disconnect_mid_stream_frees_the_slot(url, server):
     assert 'redline_requests_total{outcome="cancelled"}' in metrics
 
 
-def _counter(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    raise AssertionError(f"{name} is not in /metrics")
-
-
 def test_a_shared_prompt_prefix_is_served_from_the_cache(client, url):
     """Two prompts sharing a long start (new to this server): the first computes it all, the second
     finds its full blocks in the prefix cache; usage and /metrics say so alike."""
     shared = f"# run {time.time_ns()}\n" + "".join(f"v{i} = {i * 7919 % 1000}\n" for i in range(40))
-    hits, queries = (_counter(url, f"redline_prefix_cache_{k}_total") for k in ("hits", "queries"))
+    before = scrape_metrics(url)
     # 16 tokens take several steps: the counters (updated after each step) have seen the admission
     kw = dict(model=MODEL, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
     first = client.completions.create(prompt=shared + "a = 1", **kw)
@@ -162,8 +156,9 @@ def test_a_shared_prompt_prefix_is_served_from_the_cache(client, url):
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached >= 64 and cached % 16 == 0 and cached < second.usage.prompt_tokens
-    assert _counter(url, "redline_prefix_cache_hits_total") - hits == cached
-    assert _counter(url, "redline_prefix_cache_queries_total") - queries >= 2 * cached
+    after = scrape_metrics(url)
+    assert after[PREFIX_HITS] - before[PREFIX_HITS] == cached
+    assert after[PREFIX_QUERIES] - before[PREFIX_QUERIES] >= 2 * cached
 
 
 def test_tokenize_and_detokenize_as_vllm_serves_them(url, server):

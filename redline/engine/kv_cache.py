@@ -49,12 +49,18 @@ class KVCache:
         return self.table[first_slot : first_slot + rows]
 
     def kv_len_for(self, tokens_needed: int) -> int:
-        """Keys to attend for a forward reaching `tokens_needed` positions: a power-of-two bucket (>= 64),
-        so CUDA graphs see few distinct shapes. 70 -> 128, 129 -> 256, capped at max_len."""
-        bucket = 64
-        while bucket < tokens_needed:
-            bucket *= 2
-        return min(bucket, self.max_len)
+        """Keys to attend for a forward reaching `tokens_needed` positions (kv_bucket), so CUDA graphs see
+        few distinct shapes."""
+        return kv_bucket(tokens_needed, self.max_len)
+
+
+def kv_bucket(tokens_needed: int, limit: int) -> int:
+    """A power-of-two bucket (>= 64) of keys for `tokens_needed` positions: 70 -> 128, 129 -> 256, capped
+    at limit."""
+    bucket = 64
+    while bucket < tokens_needed:
+        bucket *= 2
+    return min(bucket, limit)
 
 
 def gather_blocks(

@@ -161,13 +161,17 @@ class ModelRunner:
 
     def reserve(self, slot: int, positions: int) -> bool:
         """Blocks for positions [0, positions) of `slot`; False, taking none, when the pool is short."""
-        table = self.block_tables[slot]
-        held = len(table.blocks)
-        try:
-            table.ensure(min(positions, self.cache_len))
-        except OutOfBlocks:
+        held = len(self.block_tables[slot].blocks)
+        if not self._ensure(slot, positions):
             return False
         self._write_table(slot, held)
+        return True
+
+    def _ensure(self, slot: int, positions: int) -> bool:
+        try:
+            self.block_tables[slot].ensure(min(positions, self.cache_len))
+        except OutOfBlocks:
+            return False
         return True
 
     def admit(self, slot: int, tokens: list[int], params: SamplingParams, seed: int) -> int | None:
@@ -177,7 +181,7 @@ class ModelRunner:
         short."""
         table = self.block_tables[slot]
         cached = table.reuse_prefix(tokens) if self.prefix_caching else 0
-        if not self.reserve(slot, len(tokens) + self.lookahead):
+        if not self._ensure(slot, len(tokens) + self.lookahead):
             table.release()
             return None
         if self.prefix_caching:

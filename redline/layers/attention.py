@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from redline.config import ModelConfig
-from redline.engine.kv_cache import BLOCK, gather_blocks
+from redline.engine.kv_cache import BLOCK, gather_blocks, kv_bucket
 from redline.layers.linear import Linear
 from redline.layers.norm import rms_normalize
 from redline.layers.reduced_attention import STEP_QUERIES, sdpa_attention
@@ -39,6 +39,10 @@ class AttentionBatch:
     cos: torch.Tensor  # [B, T, 1, head_dim // 2]
     sin: torch.Tensor
     temperature: torch.Tensor | None  # [B, T, 1, 1] Llama 4 NoPE query scale
+    # where the T new keys go, the same in every layer: (block, row in block), each [B, T] int64
+    write_at: tuple[torch.Tensor, torch.Tensor] | None
+    # eager CPU with several rows: (kv bucket, row indices) groups for Attention._attend_by_length
+    key_groups: tuple[tuple[int, torch.Tensor], ...] | None
 
     @classmethod
     def build(
@@ -63,7 +67,25 @@ class AttentionBatch:
             steps = torch.floor((positions.float() + 1.0) / config.floor_scale)
             temperature = (1.0 + config.attn_scale * torch.log1p(steps))[:, :, None, None]
         cos, sin = rotary.cos_sin(positions)
-        return cls(positions, tables, key_positions.shape[-1], full, chunked, cos, sin, temperature)
+        kv_len, write_at, key_groups = key_positions.shape[-1], None, None
+        if tables is not None:
+            write_at = (tables.gather(1, positions // BLOCK).long(), positions % BLOCK)
+            if (
+                positions.device.type == "cpu"
+                and positions.shape[0] > 1
+                and not torch.compiler.is_compiling()
+            ):
+                key_groups = _key_groups(positions, kv_len)
+        return cls(positions, tables, kv_len, full, chunked, cos, sin, temperature, write_at, key_groups)
+
+
+def _key_groups(positions: torch.Tensor, kv_len: int) -> tuple[tuple[int, torch.Tensor], ...]:
+    """Rows grouped by the kv bucket of the keys they need (host values: the eager CPU path only). Rows
+    needing 70, 300 and 90 keys -> ((128, [0, 2]), (512, [1]))."""
+    groups: dict[int, list[int]] = {}
+    for row, last in enumerate(positions.amax(dim=1).tolist()):
+        groups.setdefault(kv_bucket(last + 1, kv_len), []).append(row)
+    return tuple((length, torch.tensor(rows, device=positions.device)) for length, rows in groups.items())
 
 
 # a pytree node, so that a decoder layer called with it can be a nested compile region (models/llama.py)
@@ -114,7 +136,7 @@ class Attention(nn.Module):
             if kernel is not None:
                 out = kernel(q, *cache, batch.positions, batch.tables, batch.kv_len, self.chunk)
                 return self.o_proj(out.reshape(*x.shape[:2], -1))
-            if x.device.type == "cpu" and not torch.compiler.is_compiling() and x.shape[0] > 1:
+            if batch.key_groups is not None:
                 return self._attend_by_length(q, cache, batch, mask)
             keys, values = (gather_blocks(c, batch.tables, batch.kv_len).to(k.dtype) for c in cache)
         return self.attend(q, keys, values, mask)
@@ -126,21 +148,13 @@ class Attention(nn.Module):
         batch: AttentionBatch,
         mask: torch.Tensor,  # [B, 1, T, kv_len] bool
     ) -> torch.Tensor:  # [B, T, hidden]
-        """Eager attention over gathered keys, the rows grouped by the keys they need: each group gathers
-        its rows' positions up to a power-of-two bucket (>= 64) of its longest, not every row up to
+        """Eager attention over gathered keys, the rows grouped by the keys they need (batch.key_groups):
+        each group gathers its rows' positions up to the kv bucket of its longest, not every row up to
         kv_len. The gather copies: a step of 64 rows where one request sits at 2,000 tokens and the rest
-        near 200 copies 2 buckets' worth (256 for 63 rows, 2,048 for one), not 64 x 2,048 positions.
-        Example: rows needing 70, 300 and 90 keys form groups 128 -> rows [0, 2] and 512 -> row [1]."""
-        needed = (batch.positions.amax(dim=1) + 1).tolist()  # host values: the CPU path only
-        groups: dict[int, list[int]] = {}
-        for row, n in enumerate(needed):
-            bucket = 64
-            while bucket < n:
-                bucket *= 2
-            groups.setdefault(min(bucket, batch.kv_len), []).append(row)
+        near 200 copies 2 buckets' worth (256 for 63 rows, 2,048 for one), not 64 x 2,048 positions."""
+        assert batch.key_groups is not None and batch.tables is not None
         out = q.new_empty(q.shape)
-        for length, rows in groups.items():
-            index = torch.tensor(rows, device=q.device)
+        for length, index in batch.key_groups:
             keys, values = (gather_blocks(c, batch.tables[index], length).to(q.dtype) for c in cache)
             out[index] = self.core(q[index], keys, values, mask[index, :, :, :length])
         b, t = q.shape[:2]
@@ -186,10 +200,10 @@ class Attention(nn.Module):
         cache three times, and through views the compiler copied the whole cache in and out every step.
         Indices broadcast to [B, T, kv_heads]: tables [[4, 9]], positions [[15, 16]], BLOCK 16, 3 heads ->
         entries [4, h, 15] and [9, h, 0] for h = 0, 1, 2 take k[0, 0, h] and k[0, 1, h]."""
-        assert batch.tables is not None
-        blocks = batch.tables.gather(1, batch.positions // BLOCK).long()  # [B, T]
+        assert batch.write_at is not None
+        blocks, rows = batch.write_at  # [B, T] each
         heads = torch.arange(k.shape[2], device=k.device)
-        index = (blocks[:, :, None], heads, (batch.positions % BLOCK)[:, :, None])
+        index = (blocks[:, :, None], heads, rows[:, :, None])
         for store, new in zip(cache, (k, v), strict=True):
             if store.dtype == FP8:  # FP8 cache (scale 1): saturate, e4m3 has no infinity
                 new = new.clamp(-FP8_MAX, FP8_MAX)

@@ -83,7 +83,7 @@ def ttt_unroll(
     rows = t - 1  # row p reads the token at p + 1
     layer, attn = draft.midlayer, draft.midlayer.self_attn
     positions = torch.arange(rows, device=tokens.device)[None].expand(b, rows)
-    batch = AttentionBatch.build(draft.config.layer, draft.rotary, positions, positions[:1, :1], 0)
+    batch = AttentionBatch.build(draft.config.layer, draft.rotary, positions, positions[:1, :1], None)
     embeds = draft.embed(tokens[:, 1:])  # [B, rows, H]
     hidden = draft.fuse(aux[:, :rows])  # [B, rows, H]
     keys: list[torch.Tensor] = []
