@@ -71,14 +71,14 @@ def timed_steps(runners: dict[str, ModelRunner], steps: int, last: dict[str, int
             start = time.perf_counter()
             out = runner.decode(1, last[name])
             times[name].append(time.perf_counter() - start)
-            last[name] += out[0][-1] + 1  # n_acc + 1 tokens emitted
+            last[name] += out.tokens[0][-1] + 1  # n_acc + 1 tokens emitted
     return times
 
 
 def profile_table(runner: ModelRunner, last: int, rows: int) -> str:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(10):
-            last += runner.decode(1, last)[0][-1] + 1
+            last += runner.decode(1, last).tokens[0][-1] + 1
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
 
 

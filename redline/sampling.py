@@ -12,11 +12,14 @@ from dataclasses import dataclass, field
 import torch
 
 _MASK32 = 0xFFFFFFFF
+MAX_LOGPROBS = 20  # top log-probabilities a token can report (OpenAI's top_logprobs limit)
+MAX_REPETITION_PENALTY = 10.0
+MAX_TOP_K = 2**31 - 1  # top_k is an int64 tensor entry; anything past the vocabulary keeps it all
 
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 256
+    max_tokens: int = 256  # 0: prefill only (the prompt's logprobs)
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = whole vocabulary
@@ -24,19 +27,38 @@ class SamplingParams:
     seed: int | None = None  # None: a fresh random seed per request
     stop: list[str] | str | None = None
     ignore_eos: bool = False
+    presence_penalty: float = 0.0  # subtracted from the logit of every token generated so far
+    frequency_penalty: float = 0.0  # subtracted once per time a token was generated so far
+    repetition_penalty: float = (
+        1.0  # divides positive (multiplies negative) logits of prompt and output tokens
+    )
+    logprobs: int | None = None  # per generated token its log-probability and the top N (0: none); None = off
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first; None = off
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise ValueError("max_tokens 0 (prefill only) needs prompt_logprobs")
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be an integer in [0, {MAX_TOP_K}], got {self.top_k!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            bound = f"(0, {MAX_REPETITION_PENALTY}]"
+            raise ValueError(f"repetition_penalty must be in {bound}, got {self.repetition_penalty!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -47,6 +69,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return (self.presence_penalty, self.frequency_penalty, self.repetition_penalty) != (0, 0, 1)
+
+    @property
+    def needs_logits(self) -> bool:
+        """Whether the step must compute this request's logits (the sampling path): it samples, has
+        penalties, or asks for logprobs. Otherwise an argmax suffices."""
+        return not self.greedy or self.penalized or self.logprobs is not None
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
@@ -85,18 +117,30 @@ class SamplingTensors:
     top_p: torch.Tensor  # [B] fp32
     seed: torch.Tensor  # [B] int64
     min_p: torch.Tensor  # [B] fp32, 0 = off
+    presence: torch.Tensor  # [B] fp32 presence penalty, 0 = off
+    frequency: torch.Tensor  # [B] fp32 frequency penalty, 0 = off
+    repetition: torch.Tensor  # [B] fp32 repetition penalty, 1 = off
+
+    @classmethod
+    def zeros(cls, rows: int, device: torch.device) -> SamplingTensors:
+        """Greedy, unfiltered and unpenalized rows."""
+        zero = lambda dtype=torch.float32: torch.zeros(rows, dtype=dtype, device=device)
+        one = torch.ones(rows, device=device)
+        return cls(zero(), zero(torch.int64), one, zero(torch.int64), zero(), zero(), zero(), one.clone())
 
     def rows(self, start: int, stop: int) -> SamplingTensors:
         """Views of rows start .. stop - 1 (a batch bucket, or one slot for prefill)."""
         w = slice(start, stop)
-        return SamplingTensors(self.temperature[w], self.top_k[w], self.top_p[w], self.seed[w], self.min_p[w])
+        t = self
+        return SamplingTensors(t.temperature[w], t.top_k[w], t.top_p[w], t.seed[w], t.min_p[w],
+                               t.presence[w], t.frequency[w], t.repetition[w])  # fmt: skip
 
     def take(self, slots: torch.Tensor) -> SamplingTensors:
         """The rows of `slots` [B] (a batched prefill's), in that order."""
         t = self
-        return SamplingTensors(
-            t.temperature[slots], t.top_k[slots], t.top_p[slots], t.seed[slots], t.min_p[slots]
-        )
+        s = slots
+        return SamplingTensors(t.temperature[s], t.top_k[s], t.top_p[s], t.seed[s], t.min_p[s],
+                               t.presence[s], t.frequency[s], t.repetition[s])  # fmt: skip
 
 
 def filtered_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

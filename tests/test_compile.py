@@ -54,7 +54,15 @@ def test_a_run_through_every_bucket_compiles_nothing(llama3_pair):
     runner._run_step = recording_step
     long, short = torch.randint(5, 384, (20,)).tolist(), torch.randint(5, 384, (9,)).tolist()
     greedy = SamplingParams(max_tokens=CONTEXT - 20, ignore_eos=True)
-    sampled = SamplingParams(max_tokens=CONTEXT - 20, ignore_eos=True, temperature=0.8, seed=5)
+    sampled = SamplingParams(
+        max_tokens=CONTEXT - 20,
+        ignore_eos=True,
+        temperature=0.8,
+        seed=5,
+        logprobs=2,
+        presence_penalty=0.5,
+        repetition_penalty=1.2,
+    )  # the logits path, all of it
     outputs = []
     for params in (greedy, sampled):
         brief = SamplingParams(max_tokens=4, ignore_eos=True, temperature=params.temperature)
@@ -67,6 +75,12 @@ def test_a_run_through_every_bucket_compiles_nothing(llama3_pair):
     [want] = eager.generate([long], greedy)
     for got in outputs[:2]:
         assert greedy_divergence_is_a_near_tie(eager.model, long, got.token_ids, want.token_ids)
+    # the compiled step's packed log-probabilities are the eager model's, for the tokens it sampled
+    sampled_run = outputs[2]
+    reference = eager.runner.log_probs(long + sampled_run.token_ids)  # [T - 1, V]
+    got = [e.logprob for e in sampled_run.logprobs]
+    want_logprobs = [reference[len(long) + i - 1, t].item() for i, t in enumerate(sampled_run.token_ids)]
+    assert got == pytest.approx(want_logprobs, abs=1e-4)
 
 
 def test_compiled_llama4_runs_past_4096_tokens_without_compiling(tmp_path, tokenizer_dir):

@@ -38,6 +38,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from redline.config import ModelConfig
 from redline.engine.prefill import PrefillChunk
 from redline.engine.runner import ModelRunner
+from redline.logprobs import width
 from redline.models.eagle3 import Eagle3Draft, draft_config_for
 from redline.models.llama import LlamaForCausalLM
 from redline.sampling import SamplingParams
@@ -120,9 +121,9 @@ def serve(runner: ModelRunner, prefill_log: OpLog, step_log: OpLog) -> list[torc
     for slot, prompt in enumerate(prompts):
         assert runner.admit(slot, prompt, sampled if slot else SamplingParams(), seed=slot) == 0
     with prefill_log:
-        outs = [runner.prefill_on_device([PrefillChunk(0, prompts[0], 0, PROMPT)])]
+        outs = [runner.prefill_on_device([PrefillChunk(0, prompts[0], 0, PROMPT)]).first]
         chunks = [PrefillChunk(1, prompts[1], 0, 20), PrefillChunk(2, prompts[2], 0, 40)]
-        outs.append(runner.prefill_on_device([*chunks, PrefillChunk(3, prompts[3], 0, 30)]))
+        outs.append(runner.prefill_on_device([*chunks, PrefillChunk(3, prompts[3], 0, 30)]).first)
     kv_len = runner.kv_len_for(PROMPT + 8)
     with step_log:
         for rows in (1, 4):
@@ -152,8 +153,10 @@ def test_prefill_and_steps_on_fake_cuda(fake_cuda, family, k):
         runner, prefill_log, step_log
     )
     assert first.shape == (1,) and first.device == CUDA
-    for out, rows in [(step1_greedy, 1), (step1_sampling, 1), (step4_greedy, 4), (step4_sampling, 4)]:
-        assert out.shape == (rows, k + 2) and out.device == CUDA and out.dtype == torch.int64
+    logprobs = (k + 1) * width(model.config.vocab_size)  # the logits path's packed log-probabilities
+    for out, rows, extra in [(step1_greedy, 1, 0), (step1_sampling, 1, logprobs), (step4_greedy, 4, 0),
+                             (step4_sampling, 4, logprobs)]:  # fmt: skip
+        assert out.shape == (rows, k + 2 + extra) and out.device == CUDA and out.dtype == torch.int64
     ops = set(prefill_log.ops) | set(step_log.ops)
     expected = KERNELS | ({"redline::moe_top1"} if family == "llama4" else set())
     assert expected <= ops, f"kernels not reached: {expected - ops}"

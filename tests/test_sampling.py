@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -16,7 +18,8 @@ from redline.sampling import (
 
 
 def tensors(temperature, top_k=0, top_p=1.0, seed=0, rows=1, min_p=0.0) -> SamplingTensors:
-    return SamplingTensors(
+    return dataclasses.replace(
+        SamplingTensors.zeros(rows, torch.device("cpu")),
         temperature=torch.full((rows,), float(temperature)),
         top_k=torch.full((rows,), top_k, dtype=torch.int64),
         top_p=torch.full((rows,), float(top_p)),

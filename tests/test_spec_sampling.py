@@ -7,12 +7,14 @@ is summed over all prefixes with the target itself, and compared with a chi-squa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
 import pytest
 import torch
 from conftest import build_hf_model, llama3_hf_config
+from test_penalties import reference_penalized
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from redline import LLM, SamplingParams
@@ -21,6 +23,8 @@ from redline.sampling import SamplingTensors, filtered_probs
 
 VOCAB = 12
 PROMPT = [1, 2, 3]
+# strong enough that verifying a position without counting the drafts before it fails the test
+PENALTIES = dict(presence_penalty=1.5, frequency_penalty=1.0, repetition_penalty=2.0)
 
 
 def chi2_critical(df: int, z: float = 3.09) -> float:
@@ -33,8 +37,11 @@ def chi2_critical(df: int, z: float = 3.09) -> float:
 def tiny_vocab_pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny-vocab")
     target_dir = root / "target"
+    # a fixed pair (seed 0) whose draft is accepted about a quarter of the time, so that both the accept
+    # and the reject paths run; the sampling seeds are fresh in every run
     hf = build_hf_model(
-        llama3_hf_config(vocab_size=VOCAB, eos_token_id=None, bos_token_id=None, initializer_range=0.3)
+        llama3_hf_config(vocab_size=VOCAB, eos_token_id=None, bos_token_id=None, initializer_range=0.3),
+        seed=0,
     )
     hf.save_pretrained(target_dir, safe_serialization=True)
     words = {chr(ord("a") + i): i for i in range(VOCAB)}
@@ -47,22 +54,27 @@ def tiny_vocab_pair(tmp_path_factory):
 
 
 def exact_marginals(
-    model, temperature: float, top_p: float, min_p: float
+    model, temperature: float, top_p: float, min_p: float, penalties: dict[str, float] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """P(x2) and P(x3) under plain sampling from the filtered target distribution."""
+    """P(x2) and P(x3) under plain sampling from the filtered (and penalized) target distribution."""
 
     def next_probs(prefixes: torch.Tensor) -> torch.Tensor:  # [N, T] -> [N, V]
         n = prefixes.shape[0]
         with torch.no_grad():
             hidden, _ = model(prefixes, torch.arange(prefixes.shape[1]).expand(n, -1))
-        t = SamplingTensors(
-            torch.full((n,), temperature),
-            torch.zeros(n, dtype=torch.int64),
-            torch.full((n,), top_p),
-            torch.zeros(n, dtype=torch.int64),
-            torch.full((n,), min_p),
+        t = dataclasses.replace(
+            SamplingTensors.zeros(n, torch.device("cpu")),
+            temperature=torch.full((n,), temperature),
+            top_p=torch.full((n,), top_p),
+            min_p=torch.full((n,), min_p),
         )
-        return filtered_probs(model.logits(hidden[:, -1:]), t)[:, 0]
+        logits = model.logits(hidden[:, -1:])  # [N, 1, V]
+        if penalties:  # the generated tokens follow the prompt
+            logits = torch.stack([
+                reference_penalized(row[0], PROMPT, prefix[len(PROMPT) :].tolist(), *penalties.values())
+                for row, prefix in zip(logits, prefixes, strict=True)
+            ])[:, None]  # fmt: skip
+        return filtered_probs(logits, t)[:, 0]
 
     ids = torch.arange(VOCAB)
     p1 = next_probs(torch.tensor([PROMPT]))[0]  # [V]
@@ -86,15 +98,25 @@ def chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
     return stat, int(keep.sum()) - 1
 
 
-@pytest.mark.parametrize(("top_p", "min_p"), [(1.0, 0.0), (0.8, 0.0), (1.0, 0.2)])
-def test_sampled_tokens_follow_the_target_distribution(tiny_vocab_pair, top_p, min_p):
+@pytest.mark.parametrize(
+    ("top_p", "min_p", "penalties"),
+    [(1.0, 0.0, None), (0.8, 0.0, None), (1.0, 0.2, None), (1.0, 0.0, PENALTIES)],
+)
+def test_sampled_tokens_follow_the_target_distribution(tiny_vocab_pair, top_p, min_p, penalties):
+    """With penalties, each verified position is penalized for the drafts before it (penalties.py)."""
     target_dir, draft_dir = tiny_vocab_pair
     llm = LLM(target_dir, dtype="float32", max_batch=32, draft=draft_dir, num_draft_tokens=2)
     n, temperature = 3000, 1.0
     base = torch.randint(0, 2**40, (1,)).item()
     params = [
         SamplingParams(
-            max_tokens=3, temperature=temperature, top_p=top_p, min_p=min_p, seed=base + i, ignore_eos=True
+            max_tokens=3,
+            temperature=temperature,
+            top_p=top_p,
+            min_p=min_p,
+            seed=base + i,
+            ignore_eos=True,
+            **(penalties or {}),
         )
         for i in range(n)
     ]
@@ -102,7 +124,7 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_vocab_pair, top_p, m
     tokens = torch.tensor([c.token_ids for c in completions])  # [n, 3]
     rates = torch.tensor([c.acceptance_rates[0] for c in completions])
     assert 0.05 < rates.mean() < 0.95, "both the accept and the reject path must be exercised"
-    p2, p3 = exact_marginals(llm.model, temperature, top_p, min_p)
+    p2, p3 = exact_marginals(llm.model, temperature, top_p, min_p, penalties)
     for position, probs in ((1, p2), (2, p3)):
         counts = torch.bincount(tokens[:, position], minlength=VOCAB)
         assert counts[probs == 0].sum() == 0, "a token outside the top-p / min-p set was emitted"

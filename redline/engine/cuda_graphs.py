@@ -55,7 +55,7 @@ class GraphedStep:
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
         s = self.state
-        tensors = {"pending": s.pending, "pos": s.pos, "active": s.active}
+        tensors = {"pending": s.pending, "pos": s.pos, "active": s.active, "counts": s.counts}
         if s.draft_probs is not None:
             tensors["draft_probs"] = s.draft_probs
         return {name: t.clone() for name, t in tensors.items()}

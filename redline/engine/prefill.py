@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from redline.engine.compiled_prefill import padded_prompt_len
+from redline.logprobs import TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,16 @@ class PrefillChunk:
     def final(self) -> bool:
         """The chunk that ends the sequence: its last row gives the first new token."""
         return self.end == len(self.tokens)
+
+
+@dataclass
+class PrefillResult:
+    """What one chunk's prefill gives the host."""
+
+    first: int | None  # a final chunk's first generated token
+    logprob: TokenLogprob | None = None  # its log-probability, for requests asking for logprobs
+    # requests asking for prompt logprobs: those of the prompt tokens after each of the chunk's rows
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass

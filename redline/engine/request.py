@@ -6,6 +6,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from redline.logprobs import TokenLogprob
 from redline.sampling import SamplingParams
 from redline.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
@@ -25,6 +26,8 @@ class Completion:
     preemptions: int = 0  # times its KV blocks were taken back and its tokens recomputed
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache (not computed)
     error: str | None = None  # why the engine failed this request (finish_reason "error")
+    logprobs: list[TokenLogprob] | None = None  # per generated token (SamplingParams.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token, None for the first
 
     @property
     def completion_tokens(self) -> int:
@@ -53,6 +56,9 @@ class Request:
     computed: int = 0  # while it prefills: positions of prefill_ids in the cache (reused or computed)
     cached_tokens: int = 0  # prompt tokens found in the prefix cache instead of computed
     accepted_at: list[int] = field(default_factory=list)  # per draft position: steps that accepted it
+    group: object | None = None  # the n samples of one prompt share it (and, through the cache, its prefill)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of output_ids, with SamplingParams.logprobs
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # with .prompt_logprobs
 
     def __post_init__(self) -> None:
         self.seed = (self.params.seed if self.params.seed is not None else random.getrandbits(63)) & (
@@ -77,13 +83,32 @@ class Request:
         for j in range(n_acc):
             self.accepted_at[j] += 1
 
-    def accept(self, tokens: list[int]) -> str:
-        """Takes tokens emitted by one step, in order, up to the first stop; returns the new text."""
+    @property
+    def prompt_logprobs_done(self) -> bool:
+        """Whether every prompt token's log-probability is known (or none was asked for)."""
+        return self.params.prompt_logprobs is None or len(self.prompt_logprobs) == len(self.prompt_ids)
+
+    def add_prompt_logprobs(self, entries: list[TokenLogprob]) -> None:
+        """A prefill chunk's prompt log-probabilities, in order (none for the first prompt token)."""
+        if not self.prompt_logprobs:
+            self.prompt_logprobs.append(None)
+        self.prompt_logprobs += entries
+
+    def end_prefill_only(self) -> None:
+        """max_tokens 0: the prompt's log-probabilities were all it asked for."""
+        self.first_token_at = self.finished_at = time.perf_counter()
+        self.finish_reason = "length"
+
+    def accept(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> str:
+        """Takes tokens emitted by one step, in order, up to the first stop, with their log-probabilities
+        when the request asks for them; returns the new text."""
         now = time.perf_counter()
         self.first_token_at = self.first_token_at or now
         piece = ""
-        for token in tokens:
+        for i, token in enumerate(tokens):
             self.output_ids.append(token)
+            if logprobs is not None:
+                self.logprobs.append(logprobs[i])
             if token in self.eos_ids and not self.params.ignore_eos:
                 self.finish_reason = "stop"
                 piece += self._final_text()
@@ -137,6 +162,8 @@ class Request:
             preemptions=self.preemptions,
             cached_tokens=self.cached_tokens,
             error=self.error,
+            logprobs=None if self.params.logprobs is None else list(self.logprobs),
+            prompt_logprobs=None if self.params.prompt_logprobs is None else list(self.prompt_logprobs),
             **self.acceptance(),
         )
 

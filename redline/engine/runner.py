@@ -10,17 +10,19 @@ before the first request, so nothing compiles while serving.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from tqdm import tqdm
 
+from redline import logprobs
 from redline.engine import kv_budget
 from redline.engine.blocks import BlockPool, BlockTable, OutOfBlocks
 from redline.engine.compiled_prefill import CompiledPrefill, warm_up_shapes
 from redline.engine.compiled_step import CompiledStep
 from redline.engine.cuda_graphs import GraphedStep
 from redline.engine.kv_cache import BLOCK, KVCache
-from redline.engine.prefill import PrefillChunk, pad_chunks
+from redline.engine.prefill import PaddedChunks, PrefillChunk, PrefillResult, pad_chunks
 from redline.kernels.select import (
     compile_by_default,
     pdl_supported,
@@ -28,11 +30,28 @@ from redline.kernels.select import (
     select_kernels,
     triton_by_default,
 )
+from redline.logprobs import TokenLogprob
 from redline.models.eagle3 import Eagle3Draft
 from redline.models.llama import LlamaForCausalLM
+from redline.penalties import count_emitted, penalize
 from redline.sampling import SamplingParams, SamplingTensors, select_tokens
 from redline.spec.draft_loop import propose
 from redline.spec.step import DecodeState, DecodeStep
+
+PROMPT_LOGPROB_ROWS = 512  # prompt logprobs: rows of logits computed at a time ([512, V] fp32)
+
+
+class DevicePrefill(NamedTuple):
+    """A prefill forward's results, still on the device."""
+
+    first: torch.Tensor  # [B] each chunk's candidate first token (meaningful for final chunks)
+    first_logprobs: torch.Tensor | None  # [B, W] on the logits path: the first tokens' packed logprobs
+    prompt_logprobs: dict[int, tuple[torch.Tensor, list[int]]]  # chunk index -> packed [n, W], tokens [n]
+
+
+class StepOutput(NamedTuple):
+    tokens: list[list[int]]  # per row: emitted tokens [K + 1], then n_acc
+    logprobs: dict[int, list[TokenLogprob]]  # slots asking for logprobs: their first n_acc + 1 tokens'
 
 
 def batch_bucket(rows_needed: int, slots: int) -> int:
@@ -93,15 +112,13 @@ class ModelRunner:
             self.draft_cache = KVCache(layer, slots, self.cache_len, kv_dtype, self.device, blocks)
             self.draft_cache.table = self.cache.table  # the same positions: the same blocks
         draft_vocab = draft.config.draft_vocab_size if draft is not None else None
-        self.state = DecodeState.empty(slots, self.k, draft_vocab, self.device)
-        self.sampling = SamplingTensors(
-            temperature=torch.zeros(slots, device=self.device),
-            top_k=torch.zeros(slots, dtype=torch.int64, device=self.device),
-            top_p=torch.ones(slots, device=self.device),
-            seed=torch.zeros(slots, dtype=torch.int64, device=self.device),
-            min_p=torch.zeros(slots, device=self.device),
-        )
-        self.sampling_slots: set[int] = set()  # slots whose request samples (temperature > 0)
+        vocab = model.config.vocab_size
+        self.state = DecodeState.empty(slots, self.k, vocab, draft_vocab, self.device)
+        self.sampling = SamplingTensors.zeros(slots, self.device)
+        # slots whose request needs the logits path: it samples, has penalties or asks for logprobs
+        self.sampling_slots: set[int] = set()
+        self.logprob_slots: dict[int, int] = {}  # slot -> top logprobs its request reports per token
+        self.prompt_logprob_slots: dict[int, tuple[int, int]] = {}  # slot -> (top logprobs, prompt length)
         self.prefilled_tokens = 0  # prompt positions computed by prefill (prefix-cache hits are not)
         self.step = DecodeStep(model, draft, self.k, self.cache, self.draft_cache, self.state, self.sampling)
         run: Callable[[int, int, bool], torch.Tensor] = self.step
@@ -123,6 +140,8 @@ class ModelRunner:
         self._run_step = run
         pin = self.device.type == "cuda" and torch.cuda.is_available()
         self._host_out = torch.zeros((slots, self.k + 2), dtype=torch.int64, pin_memory=pin)
+        width = self.k + 2 + (self.k + 1) * logprobs.width(vocab)  # the logits path's output
+        self._host_out_logprobs = torch.zeros((slots, width), dtype=torch.int64, pin_memory=pin)
 
     @property
     def slots(self) -> int:
@@ -174,21 +193,37 @@ class ModelRunner:
             return False
         return True
 
-    def admit(self, slot: int, tokens: list[int], params: SamplingParams, seed: int) -> int | None:
+    def admit(
+        self, slot: int, tokens: list[int], params: SamplingParams, seed: int, prompt_len: int | None = None
+    ) -> int | None:
         """Gives a new request's `slot` the blocks of its tokens and a step's lookahead: the cached blocks
         of its longest cached prefix (with prefix caching), then new ones. Returns how many of its tokens
         are already in the cache (its prefill starts there), or None, taking nothing, when the pool is
-        short."""
+        short. tokens[:prompt_len] is the prompt (default: all), the rest its outputs so far (a preempted
+        request's). A request asking for prompt logprobs computes its whole prompt (no cached prefix)."""
+        prompt_len = len(tokens) if prompt_len is None else prompt_len
         table = self.block_tables[slot]
-        cached = table.reuse_prefix(tokens) if self.prefix_caching else 0
+        reuse = self.prefix_caching and params.prompt_logprobs is None
+        cached = table.reuse_prefix(tokens) if reuse else 0
         if not self._ensure(slot, len(tokens) + self.lookahead):
             table.release()
             return None
-        if self.prefix_caching:
+        if reuse:
             table.count_lookup(tokens)
         self._write_table(slot, 0)
         self._set_sampling(slot, params, seed)
+        if params.penalized:
+            self._set_penalties(slot, tokens, prompt_len)
+        if params.prompt_logprobs is not None:
+            self.prompt_logprob_slots[slot] = (params.prompt_logprobs, prompt_len)
         return cached
+
+    def _set_penalties(self, slot: int, tokens: list[int], prompt_len: int) -> None:
+        """The slot's prompt-token mask and generated-token counts (penalties.py)."""
+        ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+        self.state.seen[slot] = False
+        self.state.seen[slot, ids[:prompt_len]] = True
+        self.state.counts[slot] = torch.bincount(ids[prompt_len:], minlength=self.state.counts.shape[1])
 
     def _write_table(self, slot: int, first: int) -> None:
         """Copies the slot's blocks from index `first` on into its row of the device's block table."""
@@ -276,26 +311,55 @@ class ModelRunner:
         """Runs a whole prompt into `slot` (reserved before), primes the draft, and returns the first
         generated token."""
         self._set_sampling(slot, params, seed)
-        first = self.prefill_batch([PrefillChunk(slot, list(prompt_ids), 0, len(prompt_ids))])[0]
+        first = self.prefill_batch([PrefillChunk(slot, list(prompt_ids), 0, len(prompt_ids))])[0].first
         assert first is not None
         return first
 
     @torch.inference_mode()
-    def prefill_batch(self, chunks: list[PrefillChunk]) -> list[int | None]:
+    def prefill_batch(self, chunks: list[PrefillChunk]) -> list[PrefillResult]:
         """Runs the chunks as one forward (slots admitted before). Returns, per chunk, the first generated
-        token of a final chunk (its slot now decodes) or None. Final chunks' full blocks go to the prefix
-        cache."""
-        firsts = self.prefill_on_device(chunks).tolist()
-        out: list[int | None] = []
-        for chunk, first in zip(chunks, firsts, strict=True):
+        token of a final chunk (its slot now decodes) or None, with the log-probabilities its request asks
+        for. Final chunks' full blocks go to the prefix cache."""
+        device = self.prefill_on_device(chunks)
+        firsts = device.first.tolist()
+        wanted = device.first_logprobs is not None and any(c.slot in self.logprob_slots for c in chunks)
+        packed = device.first_logprobs.cpu() if wanted else None
+        out: list[PrefillResult] = []
+        for i, (chunk, first) in enumerate(zip(chunks, firsts, strict=True)):
             if chunk.final and self.prefix_caching:
                 self.block_tables[chunk.slot].cache_prompt([*chunk.tokens, first], len(chunk.tokens))
-            out.append(first if chunk.final else None)
+            result = PrefillResult(first if chunk.final else None)
+            if chunk.final and chunk.slot in self.logprob_slots and packed is not None:
+                result.logprob = logprobs.unpack(
+                    packed[i].view(1, -1), [first], self.logprob_slots[chunk.slot]
+                )[0]
+            if i in device.prompt_logprobs:
+                packed_rows, tokens = device.prompt_logprobs[i]
+                top = self.prompt_logprob_slots[chunk.slot][0]
+                result.prompt_logprobs = logprobs.unpack(packed_rows.cpu(), tokens, top)
+            out.append(result)
         return out
 
-    def prefill_on_device(self, chunks: list[PrefillChunk]) -> torch.Tensor:  # [B] int64, on the device
-        """prefill_batch without the host: each chunk's candidate first token (meaningful for final chunks),
-        computed on the device without a sync."""
+    def _prompt_logprobs(
+        self, chunk: PrefillChunk, hidden: torch.Tensor, next_tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, list[int]]:
+        """One chunk's prompt log-probabilities, packed [n, W] on the device, and the n tokens they are of:
+        the prompt tokens at positions [start + 1, min(end + 1, prompt length)). Row i predicts the token at
+        start + i + 1; the last row of a final chunk predicts the first generated token, not a prompt token.
+        hidden [L, H], next_tokens [L]; logits are computed PROMPT_LOGPROB_ROWS rows at a time."""
+        _, prompt_len = self.prompt_logprob_slots[chunk.slot]
+        count = max(min(chunk.end + 1, prompt_len) - (chunk.start + 1), 0)
+        pieces = []
+        for start in range(0, count, PROMPT_LOGPROB_ROWS):
+            rows = slice(start, min(start + PROMPT_LOGPROB_ROWS, count))
+            logits = self.model.logits(hidden[None, rows])  # [1, n, V]
+            pieces.append(logprobs.pack(logits, next_tokens[None, rows]).view(logits.shape[1], -1))
+        width = logprobs.width(self.model.config.vocab_size)
+        packed = torch.cat(pieces) if pieces else torch.zeros((0, width), dtype=torch.int64)
+        return packed, chunk.tokens[chunk.start + 1 : chunk.start + 1 + count]
+
+    def prefill_on_device(self, chunks: list[PrefillChunk]) -> DevicePrefill:
+        """prefill_batch without the host: computed on the device without a sync."""
         for c in chunks:
             if self.block_tables[c.slot].capacity < c.end:
                 raise RuntimeError(
@@ -309,6 +373,11 @@ class ModelRunner:
             hidden, aux = self.compiled_prefill(batch.tokens, batch.positions, tables, batch.kv_len)
         else:
             hidden, aux = self.model(batch.tokens, batch.positions, self.cache.layers, tables, batch.kv_len)
+        prompt = {
+            i: self._prompt_logprobs(c, hidden[i], batch.next_tokens[i])
+            for i, c in enumerate(chunks)
+            if c.slot in self.prompt_logprob_slots
+        }
         if not any(c.final for c in chunks):  # keys and values only: no first token, no proposals yet
             if self.draft is not None:
                 assert self.draft_cache is not None and aux is not None
@@ -316,20 +385,42 @@ class ModelRunner:
                 self.draft(
                     batch.next_tokens, self.draft.fuse(aux), batch.positions, layer, tables, batch.kv_len
                 )
-            return torch.zeros(len(chunks), dtype=torch.int64, device=self.device)
+            return DevicePrefill(
+                torch.zeros(len(chunks), dtype=torch.int64, device=self.device), None, prompt
+            )
+        return self._first_tokens(chunks, batch, slots, tables, hidden, aux)._replace(prompt_logprobs=prompt)
+
+    def _first_tokens(
+        self,
+        chunks: list[PrefillChunk],
+        batch: PaddedChunks,
+        slots: torch.Tensor,  # [B]
+        tables: torch.Tensor,  # [B, blocks per sequence]
+        hidden: torch.Tensor,  # [B, L, H]
+        aux: torch.Tensor | None,  # [B, L, 3 * H] with a draft
+    ) -> DevicePrefill:
+        """Each chunk's first new token from its last row (meaningful for final chunks), and the final
+        chunks' slots set to decode: pending tokens (with the draft's proposals), positions, counts."""
         last = batch.last[:, None]  # [B, 1]
         h_last = hidden.gather(1, last[..., None].expand(-1, -1, hidden.shape[-1]))  # [B, 1, H]
         sampling = self.sampling.take(slots)
         any_sampling = any(c.slot in self.sampling_slots for c in chunks)
+        final = torch.tensor([c.final for c in chunks], device=self.device)[:, None]  # [B, 1]
+        packed = None
         if any_sampling:
             position = batch.positions.gather(1, last) + 1  # [B, 1] where the first new token goes
-            first = select_tokens(self.model.logits(h_last), sampling, position, True)
+            logits = self.model.logits(h_last)  # [B, 1, V]
+            counts = self.state.counts[slots]  # [B, V]
+            penalized = penalize(logits, sampling, counts[:, None], self.state.seen[slots])
+            first = select_tokens(penalized, sampling, position, True)
+            packed = logprobs.pack(logits, first)  # [B, W]
+            count_emitted(counts, first, final)
+            self.state.counts[slots] = counts  # final chunks' first tokens count for their penalties
         else:
             first = self.model.greedy_tokens(h_last)  # [B, 1]
-        final = torch.tensor([c.final for c in chunks], device=self.device)[:, None]  # [B, 1]
         pending, probs = first, None
         if self.draft is not None:
-            assert self.draft_cache is not None
+            assert self.draft_cache is not None and aux is not None
             # the last row of a final chunk reads the first new token; other rows read their next token
             next_tokens = batch.next_tokens.scatter(
                 1, last, torch.where(final, first, batch.next_tokens.gather(1, last))
@@ -337,34 +428,45 @@ class ModelRunner:
             # the proposals run K - 1 positions past the last row
             kv_len = min(max(batch.kv_len, max(c.end for c in chunks) + 2 * self.k + 1), self.cache_len)
             cache = self.draft_cache.layers[0]
+            penalties = (self.state.counts[slots], self.state.seen[slots]) if any_sampling else None
             drafts, probs = propose(self.draft, aux, next_tokens, batch.positions, batch.last, self.k, cache,
-                                    tables, kv_len, sampling, any_sampling)  # fmt: skip
+                                    tables, kv_len, sampling, any_sampling, penalties)  # fmt: skip
             pending = self.model.tp.from_first_rank(torch.cat((first, drafts), dim=1))  # [B, K + 1]: rank 0's
             first = pending[:, :1]
         rows = [i for i, c in enumerate(chunks) if c.final]
-        if rows:  # these slots decode from now on
-            index = torch.tensor(rows, device=self.device)
-            done = slots[index]
-            self.state.pending[done] = pending[index]
-            self.state.pos[done] = torch.tensor([chunks[i].end for i in rows], device=self.device)
-            self.state.active[done] = True
-            if probs is not None and self.state.draft_probs is not None:
-                self.state.draft_probs[done] = probs[index]
-        return first[:, 0]
+        index = torch.tensor(rows, device=self.device)
+        done = slots[index]  # these slots decode from now on
+        self.state.pending[done] = pending[index]
+        self.state.pos[done] = torch.tensor([chunks[i].end for i in rows], device=self.device)
+        self.state.active[done] = True
+        if probs is not None and self.state.draft_probs is not None:
+            self.state.draft_probs[done] = probs[index]
+        return DevicePrefill(first[:, 0], packed, {})
 
     def run_step(self, rows: int, kv_len: int, any_sampling: bool) -> torch.Tensor:
-        """One step over slots [0, rows) on the device: [rows, K + 2], emitted tokens then n_acc."""
+        """One step over slots [0, rows) on the device: [rows, K + 2], emitted tokens then n_acc, and on
+        the logits path (any_sampling) their packed log-probabilities after them (spec/step.py)."""
         return self._run_step(rows, kv_len, any_sampling)
 
     @torch.inference_mode()
-    def decode(self, rows: int, last_position: int) -> list[list[int]]:
-        """One step over slots [0, rows). Returns per row its emitted tokens followed by n_acc."""
-        out = self.run_step(rows, self.kv_len_for(last_position), bool(self.sampling_slots))
-        host = self._host_out[:rows]
+    def decode(self, rows: int, last_position: int) -> StepOutput:
+        """One step over slots [0, rows): per row its emitted tokens followed by n_acc, and the accepted
+        tokens' log-probabilities of the slots asking for them."""
+        any_sampling = bool(self.sampling_slots)
+        out = self.run_step(rows, self.kv_len_for(last_position), any_sampling)
+        host = (self._host_out_logprobs if any_sampling else self._host_out)[:rows]
         host.copy_(out, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
-        return host.tolist()
+        width = self.k + 2
+        tokens = host[:, :width].tolist()
+        chosen: dict[int, list[TokenLogprob]] = {}
+        for slot, top in self.logprob_slots.items():
+            if slot < rows:
+                *emitted, n_acc = tokens[slot]
+                packed = host[slot, width:].view(self.k + 1, -1)
+                chosen[slot] = logprobs.unpack(packed, emitted[: n_acc + 1], top)
+        return StepOutput(tokens, chosen)
 
     @torch.inference_mode()
     def log_probs(self, tokens: list[int]) -> torch.Tensor:  # [T - 1, V] fp32, on the CPU
@@ -377,6 +479,8 @@ class ModelRunner:
     def release(self, slot: int) -> None:
         self.state.active[slot] = False
         self.sampling_slots.discard(slot)
+        self.logprob_slots.pop(slot, None)
+        self.prompt_logprob_slots.pop(slot, None)
         self.block_tables[slot].release()
         self.cache.table[slot] = self.cache.scratch_block
 
@@ -386,6 +490,11 @@ class ModelRunner:
         s.top_k[slot] = params.top_k
         s.top_p[slot] = params.top_p
         s.min_p[slot] = params.min_p
+        s.presence[slot] = params.presence_penalty
+        s.frequency[slot] = params.frequency_penalty
+        s.repetition[slot] = params.repetition_penalty
         s.seed[slot] = (seed ^ (seed >> 32)) & 0xFFFFFFFF
-        if not params.greedy:
+        if params.needs_logits:
             self.sampling_slots.add(slot)
+        if params.logprobs is not None:
+            self.logprob_slots[slot] = params.logprobs

@@ -33,7 +33,7 @@ from collections.abc import Iterable
 
 from redline.engine.compiled_prefill import padded_prompt_len
 from redline.engine.failures import DeviceUnusableError, describe, device_unusable
-from redline.engine.prefill import PrefillChunk
+from redline.engine.prefill import PrefillChunk, PrefillResult
 from redline.engine.request import Request
 from redline.engine.runner import ModelRunner, batch_bucket
 
@@ -84,9 +84,13 @@ class Scheduler:
         free = [s for s in range(self.runner.slots) if s not in self.running]
         while self.waiting and free and self.unusable is None:
             request, slot = self.waiting[0], free[0]
+            if self._sibling_prefilling(request):
+                break  # it waits a step, then takes the sibling's prompt blocks from the prefix cache
             tokens = request.prompt_ids + request.output_ids  # a preempted request's too
             try:
-                cached = self.runner.admit(slot, tokens, request.params, request.seed)
+                cached = self.runner.admit(
+                    slot, tokens, request.params, request.seed, len(request.prompt_ids)
+                )
             except Exception as error:
                 self._failed("prefill", error, [request], events)
                 if self.unusable is None:
@@ -104,6 +108,15 @@ class Scheduler:
             request.prefill_ids, request.computed = tokens, cached
             request.cached_tokens += cached
             self.running[slot] = request
+
+    def _sibling_prefilling(self, request: Request) -> bool:
+        """Whether another of the n samples of the request's prompt is still prefilling it (with prefix
+        caching: once it is done, the prompt's full blocks are in the cache and the request reuses them)."""
+        return (
+            request.group is not None
+            and self.runner.prefix_caching
+            and any(r.group is request.group and r.prefill_ids is not None for r in self.running.values())
+        )
 
     def _prefill(self, events: Events) -> None:
         """One prefill forward over the next chunks of the requests still prefilling."""
@@ -126,13 +139,20 @@ class Scheduler:
             requests.append(request)
         if not chunks:
             return
-        for request, chunk, first in self._run_prefill(requests, chunks, events):
+        for request, chunk, result in self._run_prefill(requests, chunks, events):
             request.computed = chunk.end
-            if first is None:
+            if result.prompt_logprobs is not None and not request.prompt_logprobs_done:
+                request.add_prompt_logprobs(result.prompt_logprobs)  # (not again after a preemption)
+            if result.first is None:
                 continue
             request.prefill_ids = None
             try:
-                events.append((request, request.accept([first])))
+                if request.params.max_tokens == 0:
+                    request.end_prefill_only()
+                    events.append((request, ""))
+                else:
+                    logprobs = None if result.logprob is None else [result.logprob]
+                    events.append((request, request.accept([result.first], logprobs)))
             except Exception as error:
                 self._failed("prefill", error, [request], events)
                 continue
@@ -141,10 +161,10 @@ class Scheduler:
 
     def _run_prefill(
         self, requests: list[Request], chunks: list[PrefillChunk], events: Events
-    ) -> list[tuple[Request, PrefillChunk, int | None]]:
+    ) -> list[tuple[Request, PrefillChunk, PrefillResult]]:
         """runner.prefill_batch; when the batch raises, each chunk again alone, so that a failure (an
-        out-of-memory prompt, say) fails only its own request. Returns the chunks that ran and their first
-        tokens."""
+        out-of-memory prompt, say) fails only its own request. Returns the chunks that ran and their
+        results (first tokens, log-probabilities)."""
         try:
             return list(zip(requests, chunks, self.runner.prefill_batch(chunks), strict=True))
         except Exception as error:
@@ -214,9 +234,9 @@ class Scheduler:
             return
         for slot, request in decoding.items():
             try:
-                *emitted, n_acc = out[slot]
+                *emitted, n_acc = out.tokens[slot]
                 request.record_step(n_acc)
-                events.append((request, request.accept(emitted[: n_acc + 1])))
+                events.append((request, request.accept(emitted[: n_acc + 1], out.logprobs.get(slot))))
             except Exception as error:
                 self._failed("decode output", error, [request], events)
                 continue

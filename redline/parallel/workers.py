@@ -40,8 +40,8 @@ import torch.multiprocessing as mp
 from tqdm import tqdm
 
 from redline.engine.failures import RankLostError
-from redline.engine.prefill import PrefillChunk
-from redline.engine.runner import ModelRunner
+from redline.engine.prefill import PrefillChunk, PrefillResult
+from redline.engine.runner import ModelRunner, StepOutput
 from redline.models.build import load_target
 from redline.models.eagle3 import load_draft
 from redline.parallel.group import TensorParallel
@@ -156,10 +156,10 @@ class ParallelRunner:
     def admit(self, *args: Any) -> int | None:
         return self._call("admit", *args)
 
-    def prefill_batch(self, chunks: list[PrefillChunk]) -> list[int | None]:
+    def prefill_batch(self, chunks: list[PrefillChunk]) -> list[PrefillResult]:
         return self._call("prefill_batch", chunks)
 
-    def decode(self, rows: int, last_position: int) -> list[list[int]]:
+    def decode(self, rows: int, last_position: int) -> StepOutput:
         return self._call("decode", rows, last_position)
 
     def release(self, slot: int) -> None:

@@ -6,10 +6,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
-import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -21,11 +19,12 @@ from starlette.exceptions import HTTPException
 
 from redline.engine.llm import LLM
 from redline.engine.request import Completion
-from redline.engine.request import Request as EngineRequest
 from redline.server.engine_loop import EngineLoop, EngineUnavailable, Event, QueueFull
 from redline.server.errors import APIError, internal
 from redline.server.metrics import Metrics
 from redline.server.protocol import Parsed, parse_detokenize, parse_json, parse_request, parse_tokenize
+from redline.server.responses import Choice, Responder, error_event, sse
+from redline.server.schema import openapi_schema
 from redline.tokenizer import TokenizerError
 
 MAX_BODY_BYTES = 1 << 20
@@ -72,22 +71,35 @@ class Server:
                 raise too_big
         return bytes(body)
 
-    def engine_request(self, parsed: Parsed) -> EngineRequest:
-        """Templates and tokenizes a parsed body (slow: run it off the event loop); a chat template that
-        raises is the messages' 400."""
+    def choices(self, parsed: Parsed) -> list[Choice]:
+        """Templates and tokenizes a parsed body into one engine request per choice (slow: run it off the
+        event loop): each prompt n times, the samples of a prompt sharing a group (their prefill, through
+        the prefix cache) and, with a seed, taking seed, seed + 1, ... A chat template that raises, or a
+        prompt too long for the context, is a 400."""
+        prompts: list[tuple[list[int], str | None]] = []
         if parsed.messages is not None:
-            ids = self.chat_ids(parsed.messages)
-        elif isinstance(parsed.prompt, str):
-            ids = self.llm.tokenizer.encode(parsed.prompt)
-        else:
-            ids = list(parsed.prompt or [])
-        params = parsed.params
-        if not parsed.max_tokens_given and parsed.messages is not None:  # chat: up to the context limit
-            params = dataclasses.replace(params, max_tokens=max(1, self.llm.max_seq_len - len(ids)))
-        try:
-            return self.llm.make_request(ids, params)
-        except ValueError as e:
-            raise APIError(400, str(e), "max_tokens" if "context window" in str(e) else "prompt") from e
+            prompts.append((self.chat_ids(parsed.messages), None))
+        for prompt in parsed.prompts or []:
+            ids = self.llm.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            text = prompt if isinstance(prompt, str) else self.llm.tokenizer.decode(prompt)
+            prompts.append((ids, text if parsed.echo else None))
+        choices = []
+        for i, (ids, echo) in enumerate(prompts):
+            params = parsed.params
+            if not parsed.max_tokens_given and parsed.messages is not None:  # chat: up to the context limit
+                params = dataclasses.replace(params, max_tokens=max(1, self.llm.max_seq_len - len(ids)))
+            group = object() if parsed.n > 1 else None
+            for j in range(parsed.n):
+                seed = None if params.seed is None else params.seed + j
+                try:
+                    request = self.llm.make_request(ids, dataclasses.replace(params, seed=seed))
+                except ValueError as e:
+                    raise APIError(
+                        400, str(e), "max_tokens" if "context window" in str(e) else "prompt"
+                    ) from e
+                request.group = group
+                choices.append(Choice(i * parsed.n + j, request, echo))
+        return choices
 
     def chat_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """The rendered chat's token ids; a chat template that raises is the messages' 400."""
@@ -98,101 +110,72 @@ class Server:
         except Exception as e:  # templates are code: they may fail in plain Python on odd messages
             raise APIError(400, f"messages: chat template error: {type(e).__name__}: {e}", "messages") from e
 
-    def submit(self, request: EngineRequest) -> asyncio.Queue[Event]:
+    def submit(self, choices: list[Choice]) -> asyncio.Queue[tuple[Choice, Event]]:
+        """Queues every choice's request; their events arrive on one queue. If one is refused (a full
+        queue), those already queued are cancelled."""
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
-        def consume(event: Event) -> None:  # on the engine thread
-            if event.completion is not None:
-                self.metrics.observe(event.completion)
-            loop.call_soon_threadsafe(events.put_nowait, event)
+        def consumer(choice: Choice):
+            def consume(event: Event) -> None:  # on the engine thread
+                if event.completion is not None:
+                    self.metrics.observe(event.completion)
+                loop.call_soon_threadsafe(events.put_nowait, (choice, event))
 
-        try:
-            self.engine.submit(request, consume)
-        except QueueFull:
-            raise APIError(429, "the request queue is full; retry shortly", kind="rate_limit_error",
-                           headers={"Retry-After": "1"}) from None  # fmt: skip
-        except EngineUnavailable as e:
-            raise unavailable(str(e)) from None
+            return consume
+
+        for k, choice in enumerate(choices):
+            try:
+                self.engine.submit(choice.request, consumer(choice))
+            except (QueueFull, EngineUnavailable) as e:
+                self.cancel(choices[:k])
+                if isinstance(e, EngineUnavailable):
+                    raise unavailable(str(e)) from None
+                raise APIError(429, "the request queue is full; retry shortly", kind="rate_limit_error",
+                               headers={"Retry-After": "1"}) from None  # fmt: skip
         return events
+
+    def cancel(self, choices: list[Choice]) -> None:
+        for choice in choices:
+            if not choice.request.finished:
+                self.engine.cancel(choice.request)
 
 
 def unavailable(problem: str) -> APIError:
     return APIError(503, f"the engine cannot serve: {problem}", kind="service_unavailable")
 
 
-def _usage(c: Completion) -> dict:
-    return {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
-            "total_tokens": c.prompt_tokens + c.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": c.cached_tokens}}  # fmt: skip
-
-
-class Responder:
-    """Builds the response bodies of one request, chat or text completion."""
-
-    def __init__(self, chat: bool, model: str):
-        self.chat, self.model = chat, model
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
-
-    def _envelope(self, obj: str, choices: list[dict]) -> dict:
-        return {
-            "id": self.id,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-
-    def full(self, c: Completion) -> dict:
-        if self.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": c.text},
-                "finish_reason": c.finish_reason,
-            }
-            return self._envelope("chat.completion", [choice]) | {"usage": _usage(c)}
-        choice = {"index": 0, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
-        return self._envelope("text_completion", [choice]) | {"usage": _usage(c)}
-
-    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False) -> str:
-        if self.chat:
-            delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
-            body = self._envelope(
-                "chat.completion.chunk", [{"index": 0, "delta": delta, "finish_reason": finish_reason}]
-            )
-        else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-            body = self._envelope("text_completion", [choice])
-        return sse(body)
-
-    def usage_chunk(self, c: Completion) -> str:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return sse(self._envelope(obj, []) | {"usage": _usage(c)})
-
-
-def sse(body: dict) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-
 async def sse_events(
-    events: asyncio.Queue[Event], responder: Responder, include_usage: bool
-) -> AsyncIterator[str]:
-    """One request's server-sent events up to its last (without [DONE]); a failed request ends with an
-    OpenAI-style error event."""
+    events: asyncio.Queue[tuple[Choice, Event]], responder: Responder, choices: list[Choice],
+    include_usage: bool,
+) -> AsyncIterator[str]:  # fmt: skip
+    """The server-sent events of every choice up to the last (without [DONE]); a failed request ends
+    with an OpenAI-style error event. With echo, a choice's first chunk is its prompt."""
     if responder.chat:
-        yield responder.chunk("", role=True)
-    while True:
-        event = await events.get()
+        for choice in choices:
+            yield responder.chunk(choice, "", role=True)
+    completions: dict[int, Completion] = {}
+    while len(completions) < len(choices):
+        choice, event = await events.get()
         if event.error:
-            yield sse(APIError(500, event.error, kind="server_error").body())
+            yield error_event(event.error)
             return
-        if event.text:
-            yield responder.chunk(event.text)
+        if choice.echo is not None and not choice.started:
+            prompt = choice.request.prompt_ids
+            entries = event.prompt_logprobs
+            logprobs = None if entries is None else responder.logprobs(choice, prompt, entries)
+            yield responder.chunk(choice, choice.echo, logprobs)
+        choice.started = True
+        if event.text or event.logprobs:
+            tokens = [e.token for e in event.logprobs]
+            logprobs = responder.logprobs(choice, tokens, list(event.logprobs)) if event.logprobs else None
+            yield responder.chunk(choice, event.text, logprobs)
         if event.completion is not None:
-            yield responder.chunk(None if responder.chat else "", event.completion.finish_reason)
-            if include_usage:
-                yield responder.usage_chunk(event.completion)
-            return
+            completions[choice.index] = event.completion
+            yield responder.chunk(
+                choice, None if responder.chat else "", finish_reason=event.completion.finish_reason
+            )
+    if include_usage:
+        yield responder.usage_chunk(choices, [completions[c.index] for c in choices])
 
 
 def create_app(server: Server, start_engine: bool = True) -> FastAPI:
@@ -207,7 +190,12 @@ def create_app(server: Server, start_engine: bool = True) -> FastAPI:
         if start_engine:
             server.engine.stop()
 
-    app = FastAPI(title="redline", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="redline", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json"
+    )
+    app.openapi = lambda: openapi_schema(
+        model=server.model_name, max_model_len=server.llm.max_seq_len, vocab_size=server.llm.config.vocab_size
+    )
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
@@ -280,21 +268,26 @@ def create_app(server: Server, start_engine: bool = True) -> FastAPI:
         data = parse_json(await server.read_body(http))
         llm = server.llm
         parsed = parse_request(data, chat, server.model_name, llm.max_seq_len, llm.config.vocab_size)
-        request = await asyncio.to_thread(server.engine_request, parsed)
-        events = server.submit(request)
-        responder = Responder(chat, server.model_name)
+        choices = await asyncio.to_thread(server.choices, parsed)
+        events = server.submit(choices)
+        responder = Responder(chat, server.model_name, llm.tokenizer)
         if parsed.stream:
             return StreamingResponse(
-                stream(request, events, responder, parsed.include_usage), media_type="text/event-stream",
+                stream(choices, events, responder, parsed.include_usage), media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )  # fmt: skip
-        return JSONResponse(responder.full(await collect(http, request, events)))
+        completions = await collect(http, choices, events)
+        return JSONResponse(responder.full(choices, completions))
 
-    async def collect(http: Request, request: EngineRequest, events: asyncio.Queue[Event]) -> Completion:
+    async def collect(
+        http: Request, choices: list[Choice], events: asyncio.Queue[tuple[Choice, Event]]
+    ) -> list[Completion]:
+        """Every choice's completion, in choice order; a failed one fails the response (500)."""
+        done: dict[int, Completion] = {}
         try:
-            while True:
+            while len(done) < len(choices):
                 try:
-                    event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+                    choice, event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
                     if await http.is_disconnected():
                         raise asyncio.CancelledError from None
@@ -302,23 +295,23 @@ def create_app(server: Server, start_engine: bool = True) -> FastAPI:
                 if event.error:
                     raise APIError(500, event.error, kind="server_error")
                 if event.completion is not None:
-                    return event.completion
+                    done[choice.index] = event.completion
+            return [done[c.index] for c in choices]
         finally:
-            if not request.finished:
-                server.engine.cancel(request)
+            server.cancel(choices)
 
     async def stream(
-        request: EngineRequest, events: asyncio.Queue[Event], responder: Responder, include_usage: bool
-    ) -> AsyncIterator[str]:
+        choices: list[Choice], events: asyncio.Queue[tuple[Choice, Event]], responder: Responder,
+        include_usage: bool,
+    ) -> AsyncIterator[str]:  # fmt: skip
         try:
-            async for piece in sse_events(events, responder, include_usage):
+            async for piece in sse_events(events, responder, choices, include_usage):
                 yield piece
         except Exception as e:  # the status line is sent: the error goes in the stream
             log.exception("streaming a response failed")
             yield sse(internal(e).body())
-        finally:  # the client went away mid-stream: free its slot
-            if not request.finished:
-                server.engine.cancel(request)
+        finally:  # the client went away mid-stream (or a choice failed): free the slots
+            server.cancel(choices)
         yield "data: [DONE]\n\n"
 
     @app.post("/v1/completions")

@@ -19,12 +19,13 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from redline.engine.failures import DeviceUnusableError, RankLostError
 from redline.engine.llm import LLM
 from redline.engine.request import Completion, Request
 from redline.engine.scheduler import Events
+from redline.logprobs import TokenLogprob
 from redline.parallel.workers import ParallelRunner
 
 log = logging.getLogger("redline.server")
@@ -35,6 +36,8 @@ class Event:
     text: str
     completion: Completion | None = None  # set on the request's last event
     error: str | None = None  # the engine failed this request
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens new since the last event
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first event, when asked for
 
 
 Consumer = Callable[[Event], None]
@@ -53,6 +56,7 @@ class EngineLoop:
         self.llm, self.max_queue = llm, max_queue
         self._inbox: queue.SimpleQueue[tuple[str, Request, Consumer | None]] = queue.SimpleQueue()
         self._consumers: dict[Request, Consumer] = {}
+        self._sent: dict[Request, int] = {}  # log-probabilities already delivered, per request
         self._queued: set[Request] = set()  # in the scheduler, not yet in a slot or finished
         self._pending = 0  # submitted, not yet in a slot or finished
         self._lock = threading.Lock()
@@ -180,13 +184,19 @@ class EngineLoop:
         consumer = self._consumers.get(request)
         if consumer is None:
             return
+        sent = self._sent.get(request)
+        new = request.logprobs[sent or 0 :]
         if request.finished:
             del self._consumers[request]
-            event = Event(text, request.completion(), error=request.error)
-        elif text:
-            event = Event(text)
+            self._sent.pop(request, None)
+            event = Event(text, request.completion(), error=request.error, logprobs=new)
+        elif text or new:
+            self._sent[request] = len(request.logprobs)
+            event = Event(text, logprobs=new)
         else:
             return
+        if sent is None and request.params.prompt_logprobs is not None:  # the request's first event
+            event.prompt_logprobs = list(request.prompt_logprobs)
         try:
             consumer(event)
         except Exception:  # one consumer's failure (its event loop closed, say) is not the engine's

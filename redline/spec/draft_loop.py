@@ -7,6 +7,7 @@ import torch
 
 from redline.models.eagle3 import Eagle3Draft
 from redline.models.llama import KVLayer
+from redline.penalties import penalize
 from redline.sampling import SamplingTensors, filtered_probs, sample_from
 
 DRAFT_STREAM = 2  # random stream of draft sampling
@@ -24,17 +25,28 @@ def propose(
     kv_len: int,
     sampling: SamplingTensors,
     any_sampling: bool,
+    penalties: tuple[torch.Tensor, torch.Tensor] | None = None,  # target counts [B, V], seen [B, V]
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Returns draft tokens [B, K] (target ids) and, when sampling, their distributions [B, K, V_draft]."""
+    """Returns draft tokens [B, K] (target ids) and, when sampling, their distributions [B, K, V_draft].
+    With penalties (penalties.py) the draft's logits are penalized as the target's are, each proposal
+    counting the ones before it, so its proposals follow the distribution verification will use."""
+    if penalties is not None:  # onto the draft vocabulary: draft id d is target id to_target(d)
+        ids = draft.to_target(torch.arange(draft.config.draft_vocab_size, device=positions.device))
+        counts, seen = (t[:, ids] for t in penalties)  # [B, V_draft]
     hidden = draft(next_tokens, draft.fuse(aux), positions, cache, tables, kv_len)  # [B, T, H]
     h = hidden.gather(1, row[:, None, None].expand(-1, 1, hidden.shape[-1]))  # [B, 1, H]
     position = positions.gather(1, row[:, None])  # [B, 1] the row at p predicts the token at p + 2
     tokens, probs = [], []
     for step in range(k):
         if any_sampling:
-            q = filtered_probs(draft.logits(h), sampling)  # [B, 1, V_draft]
+            logits = draft.logits(h)  # [B, 1, V_draft]
+            if penalties is not None:
+                logits = penalize(logits, sampling, counts[:, None], seen)
+            q = filtered_probs(logits, sampling)
             choice = sample_from(q, sampling.seed, position + 2, DRAFT_STREAM)
             probs.append(q)
+            if penalties is not None:
+                counts = counts.scatter_add(1, choice, torch.ones_like(choice, dtype=counts.dtype))
         else:  # argmax only: under tensor parallelism, no logits gathered
             choice = draft.greedy_tokens(h)  # [B, 1]
         token = draft.to_target(choice)  # [B, 1]

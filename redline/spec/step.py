@@ -9,6 +9,11 @@ state, one row per slot:
   pos [S]             absolute position of pending[:, 0]
   active [S]          rows of free slots compute (at position 0, in the scratch block) but never advance
   draft_probs [S, K, V_draft]  the distributions the drafts were sampled from (sampling requests only)
+  counts [S, V], seen [S, V]   penalized requests' generated-token counts, prompt-token mask (penalties.py)
+
+Two variants, chosen on the host: the argmax path when every row is greedy without penalties or logprobs,
+else the logits path (any_sampling): the target's logits, penalized, filtered, sampled or verified by
+rejection, and the emitted tokens' log-probabilities packed after the tokens (logprobs.py).
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
+from redline import logprobs
 from redline.engine.kv_cache import KVCache
 from redline.models.eagle3 import Eagle3Draft
 from redline.models.llama import LlamaForCausalLM
+from redline.penalties import count_emitted, counts_after_drafts, penalize
 from redline.sampling import SamplingTensors, filtered_probs, select_tokens
 from redline.spec.draft_loop import propose
 from redline.spec.verify import greedy_verify, rejection_verify
@@ -31,21 +38,28 @@ class DecodeState:
     pos: torch.Tensor  # [S] int64
     active: torch.Tensor  # [S] bool
     draft_probs: torch.Tensor | None  # [S, K, V_draft] fp32
+    counts: torch.Tensor  # [S, V] int32
+    seen: torch.Tensor  # [S, V] bool
 
     @classmethod
-    def empty(cls, slots: int, k: int, draft_vocab: int | None, device: torch.device) -> DecodeState:
+    def empty(
+        cls, slots: int, k: int, vocab: int, draft_vocab: int | None, device: torch.device
+    ) -> DecodeState:
         probs = None if draft_vocab is None else torch.zeros(slots, k, draft_vocab, device=device)
         return cls(
             pending=torch.zeros(slots, k + 1, dtype=torch.int64, device=device),
             pos=torch.zeros(slots, dtype=torch.int64, device=device),
             active=torch.zeros(slots, dtype=torch.bool, device=device),
             draft_probs=probs,
+            counts=torch.zeros(slots, vocab, dtype=torch.int32, device=device),
+            seen=torch.zeros(slots, vocab, dtype=torch.bool, device=device),
         )
 
 
 class DecodeStep:
-    """Callable step over slots [0, rows). Returns out [rows, K + 2]: emitted tokens [:, :K + 1] (the first
-    n_acc + 1 are new) and n_acc in the last column, so the host reads one tensor per step."""
+    """Callable step over slots [0, rows). Returns out [rows, K + 2 (+ (K + 1) x logprobs.width)]: emitted
+    tokens [:, :K + 1] (the first n_acc + 1 are new), n_acc, and on the logits path the emitted tokens'
+    packed log-probabilities, so the host reads one tensor per step."""
 
     def __init__(
         self,
@@ -83,14 +97,20 @@ class DecodeStep:
             emitted, n_acc = greedy_verify(emitted, pending[:, 1:]) if self.draft else (emitted, None)
         elif self.draft is None:
             logits = self.target.logits(hidden)  # [B, 1, V]
-            emitted = select_tokens(logits, sampling, positions + 1, any_sampling)  # [B, 1]
+            penalized = penalize(logits, sampling, st.counts[:rows, None], st.seen[:rows])
+            emitted = select_tokens(penalized, sampling, positions + 1, any_sampling)  # [B, 1]
         else:
-            p = filtered_probs(self.target.logits(hidden), sampling)  # [B, K + 1, V]
+            logits = self.target.logits(hidden)  # [B, K + 1, V]
+            counts = counts_after_drafts(st.counts[:rows], pending[:, 1:])  # [B, K + 1, V]
+            p = filtered_probs(penalize(logits, sampling, counts, st.seen[:rows]), sampling)
             emitted, n_acc = rejection_verify(
                 p, self._draft_q(rows, pending, sampling), pending[:, 1:], sampling.seed, positions
             )
         if self.draft is None:
             n_acc = torch.zeros_like(pos)
+        if any_sampling:  # the new tokens count for the draft's proposals and the next step's penalties
+            new = (torch.arange(k + 1, device=pos.device) <= n_acc[:, None]) & active[:, None]  # [B, K + 1]
+            count_emitted(st.counts[:rows], emitted, new)
         bonus = emitted.gather(1, n_acc[:, None])  # [B, 1] the new pending[:, 0]
         new_pending = bonus
         if self.draft is not None:
@@ -107,6 +127,7 @@ class DecodeStep:
                 kv_len,
                 sampling,
                 any_sampling,
+                (st.counts[:rows], st.seen[:rows]) if any_sampling else None,
             )
             new_pending = torch.cat((bonus, drafts), dim=1)
             if probs is not None and st.draft_probs is not None:
@@ -117,7 +138,8 @@ class DecodeStep:
             n_acc = n_acc[:, 0]  # [B, K + 1 | 1 | K + 1] -> [B]
         st.pending[:rows] = torch.where(active[:, None], new_pending, pending)
         st.pos[:rows] = pos + (n_acc + 1) * active
-        return torch.cat((emitted, n_acc[:, None]), dim=1)
+        out = torch.cat((emitted, n_acc[:, None]), dim=1)
+        return torch.cat((out, logprobs.pack(logits, emitted)), dim=1) if any_sampling else out
 
     def _draft_q(self, rows: int, pending: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
         """Draft distributions on the target vocabulary [B, K, V]; greedy rows get a one-hot on their draft

@@ -1,0 +1,145 @@
+"""Response bodies of /v1/completions and /v1/chat/completions: whole, or as server-sent event chunks,
+one or more choices, with logprobs in each API's own shape.
+
+Completions: {"tokens": [text], "token_logprobs": [float | null], "top_logprobs": [{text: float} | null],
+"text_offset": [int]}, a prompt's first token (echo) having null. Chat: {"content": [{"token", "logprob",
+"bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}. A token's text is its own decode (special
+tokens kept), which may be part of a character: "bytes" are its UTF-8 bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from redline.engine.request import Completion
+from redline.engine.request import Request as EngineRequest
+from redline.logprobs import TokenLogprob
+from redline.server.errors import APIError
+from redline.tokenizer import Tokenizer
+
+
+@dataclass
+class Choice:
+    """One choice of a response: sample `index` of the request's prompts x n."""
+
+    index: int
+    request: EngineRequest
+    echo: str | None = None  # completions with echo: the prompt's text, before the completion's
+    offset: int = 0  # streamed text so far (text_offset of the next token)
+    started: bool = field(default=False, repr=False)  # a chunk of it was sent
+
+
+def usage(completions: list[Completion], choices: list[Choice]) -> dict:
+    """Prompt tokens once per prompt (its n samples share it), completion tokens of every choice."""
+    prompts = {id(c.request.group) if c.request.group is not None else id(c): c for c in choices}
+    prompt_tokens = sum(len(c.request.prompt_ids) for c in prompts.values())
+    completion_tokens = sum(c.completion_tokens for c in completions)
+    cached = sum(c.cached_tokens for c in completions)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+
+
+class Responder:
+    """Builds the response bodies of one request, chat or text completion."""
+
+    def __init__(self, chat: bool, model: str, tokenizer: Tokenizer):
+        self.chat, self.model, self.tokenizer = chat, model, tokenizer
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list[dict]) -> dict:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def _text(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
+    def logprobs(self, choice: Choice, tokens: list[int], entries: list[TokenLogprob | None]) -> dict:
+        """The logprobs object of `tokens` (entries aligned with them; None: a prompt's first token)."""
+        texts = [self._text(t) for t in tokens]
+        if self.chat:
+
+            def item(token: int, logprob: float) -> dict:
+                text = self._text(token)
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+            content = [
+                item(e.token, e.logprob) | {"top_logprobs": [item(t, lp) for t, lp in e.top]}
+                for e in entries
+                if e is not None
+            ]
+            return {"content": content}
+        offsets = []
+        for text in texts:
+            offsets.append(choice.offset)
+            choice.offset += len(text)
+        return {
+            "tokens": texts,
+            "token_logprobs": [None if e is None else e.logprob for e in entries],
+            "top_logprobs": [None if e is None else {self._text(t): lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets,
+        }
+
+    def full(self, choices: list[Choice], completions: list[Completion]) -> dict:
+        bodies = []
+        for choice, c in zip(choices, completions, strict=True):
+            logprobs = None
+            if c.logprobs is not None:
+                tokens, entries = list(c.token_ids), list(c.logprobs)
+                if choice.echo is not None and c.prompt_logprobs is not None:
+                    tokens, entries = choice.request.prompt_ids + tokens, c.prompt_logprobs + entries
+                logprobs = self.logprobs(choice, tokens, entries)
+            if self.chat:
+                message = {"role": "assistant", "content": c.text}
+                body = {"index": choice.index, "message": message, "logprobs": logprobs}
+            else:
+                body = {"index": choice.index, "text": (choice.echo or "") + c.text, "logprobs": logprobs}
+            bodies.append(body | {"finish_reason": c.finish_reason})
+        obj = "chat.completion" if self.chat else "text_completion"
+        return self._envelope(obj, bodies) | {"usage": usage(completions, choices)}
+
+    def chunk(
+        self,
+        choice: Choice,
+        text: str | None,
+        logprobs: dict | None = None,
+        finish_reason: str | None = None,
+        role: bool = False,
+    ) -> str:
+        if self.chat:
+            delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
+            body = {
+                "index": choice.index,
+                "delta": delta,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
+            return sse(self._envelope("chat.completion.chunk", [body]))
+        body = {
+            "index": choice.index,
+            "text": text or "",
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
+        return sse(self._envelope("text_completion", [body]))
+
+    def usage_chunk(self, choices: list[Choice], completions: list[Completion]) -> str:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return sse(self._envelope(obj, []) | {"usage": usage(completions, choices)})
+
+
+def sse(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def error_event(message: str) -> str:
+    return sse(APIError(500, message, kind="server_error").body())

@@ -1,0 +1,98 @@
+"""Log-probabilities computed inside the step (redline/logprobs.py): the target's own, with and without
+speculation, for generated tokens and for prompt tokens (echo), through chunked prefill and the cache.
+
+The reference is a whole forward of the sequence without any cache (ModelRunner.log_probs). All runs
+are fp32, so 1e-4 absolute covers the difference between attending over a cache and over the sequence.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from redline import LLM, SamplingParams
+from redline.logprobs import TokenLogprob, pack, unpack
+
+ATOL = 1e-4
+PROMPTS = ["import os\nimport sys\n\n\ndef main():\n", "class Reader:\n    def __init__(self, path", "x = ["]
+
+
+@pytest.fixture(scope="module")
+def engines(trained) -> dict[str, LLM]:
+    kw = dict(dtype="float32", max_batch=4, max_seq_len=256, progress=False)
+    return {
+        "plain": LLM(trained / "target", **kw),
+        "eagle3": LLM(trained / "target", draft=trained / "draft", **kw),
+    }
+
+
+def check_against_reference(llm: LLM, prompt: list[int], tokens: list[int], entries: list[TokenLogprob],
+                            top: int) -> None:  # fmt: skip
+    """Each entry is the log-probability of its token after prompt + the tokens before it, and its top
+    alternatives are the model's most likely tokens, most likely first."""
+    reference = llm.runner.log_probs(prompt + tokens)  # [T - 1, V]
+    assert [e.token for e in entries] == tokens
+    for i, entry in enumerate(entries):
+        row = reference[len(prompt) + i - 1]
+        assert entry.logprob == pytest.approx(row[entry.token].item(), abs=ATOL)
+        values, ids = row.topk(top)
+        assert [t for t, _ in entry.top] == ids.tolist()
+        assert [v for _, v in entry.top] == pytest.approx(values.tolist(), abs=ATOL)
+
+
+def test_pack_and_unpack_round_trip_fp32_bits():
+    logits = torch.randn(2, 3, 50)
+    tokens = torch.randint(0, 50, (2, 3))
+    packed = pack(logits, tokens).view(2, 3, -1)
+    logp = logits.log_softmax(-1)
+    entries = unpack(packed[1], tokens[1, :2].tolist(), 4)
+    assert len(entries) == 2
+    for j, entry in enumerate(entries):
+        assert entry.logprob == logp[1, j, tokens[1, j]].item()  # bit for bit
+        values, ids = logp[1, j].topk(4)
+        assert entry.top == list(zip(ids.tolist(), values.tolist(), strict=True))
+
+
+def test_greedy_logprobs_are_the_targets_own_with_and_without_speculation(engines):
+    params = SamplingParams(max_tokens=40, logprobs=5, ignore_eos=True)
+    runs = {name: llm.generate(PROMPTS, params) for name, llm in engines.items()}
+    without_logprobs = engines["eagle3"].generate(PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True))
+    llm = engines["plain"]
+    assert any(c.acceptance_length > 1.5 for c in runs["eagle3"]), "the draft must be accepted"
+    for i, text in enumerate(PROMPTS):
+        plain, spec = runs["plain"][i], runs["eagle3"][i]
+        assert spec.token_ids == plain.token_ids == without_logprobs[i].token_ids  # the logits path is exact
+        assert [e.logprob for e in spec.logprobs] == pytest.approx(
+            [e.logprob for e in plain.logprobs], abs=ATOL
+        )
+        prompt = llm.tokenizer.encode(text)
+        check_against_reference(llm, prompt, plain.token_ids, spec.logprobs, 5)
+        assert all(e.top[0][0] == e.token for e in spec.logprobs)  # greedy: the chosen token is the top one
+
+
+def test_sampled_tokens_report_the_raw_target_logprob(engines):
+    """Temperature scales the sampling distribution, never the reported log-probabilities."""
+    llm = engines["eagle3"]
+    params = SamplingParams(max_tokens=30, temperature=1.3, seed=int(torch.randint(0, 2**31, ())), logprobs=2)
+    for text, completion in zip(PROMPTS, llm.generate(PROMPTS, params), strict=True):
+        prompt = llm.tokenizer.encode(text)
+        check_against_reference(llm, prompt, completion.token_ids, completion.logprobs, 2)
+
+
+def test_prompt_logprobs_through_chunks_and_a_warm_prefix_cache(trained):
+    """A 150-token prompt prefilled in chunks of 48, twice: the second time its blocks are cached, yet a
+    request asking for prompt logprobs computes them all. max_tokens 0 generates nothing."""
+    llm = LLM(trained / "target", draft=trained / "draft", dtype="float32", max_seq_len=256,
+              max_prefill_tokens=48, progress=False)  # fmt: skip
+    prompt = torch.randint(5, llm.config.vocab_size, (150,)).tolist()
+    llm.generate([prompt], SamplingParams(max_tokens=4))  # caches the prompt's blocks
+    params = SamplingParams(max_tokens=0, prompt_logprobs=3)
+    [only] = llm.generate([prompt], params)
+    assert only.token_ids == [] and only.finish_reason == "length"
+    assert only.prompt_logprobs[0] is None and len(only.prompt_logprobs) == len(prompt)
+    check_against_reference(llm, prompt[:1], prompt[1:], only.prompt_logprobs[1:], 3)
+    [both] = llm.generate([prompt], SamplingParams(max_tokens=5, prompt_logprobs=1, logprobs=1))
+    assert [e.logprob for e in both.prompt_logprobs[1:]] == pytest.approx(
+        [e.logprob for e in only.prompt_logprobs[1:]], abs=ATOL
+    )
+    check_against_reference(llm, prompt, both.token_ids, both.logprobs, 1)

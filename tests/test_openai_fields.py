@@ -1,0 +1,141 @@
+"""The OpenAI API's fields as its clients send them: logprobs / top_logprobs, echo, n, arrays of prompts,
+penalties; through the official client against a live server, checked against a second engine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+from live_server import live  # noqa: E402
+
+from redline import LLM, SamplingParams  # noqa: E402
+from redline.server.app import Server  # noqa: E402
+
+MODEL = "tiny"
+ATOL = 1e-4  # fp32: a cached forward against a whole one
+PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser(description="
+
+
+def engine(trained) -> LLM:
+    return LLM(trained / "target", dtype="float32", max_batch=8, max_seq_len=512, draft=trained / "draft",
+               progress=False)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def url(trained) -> Iterator[str]:
+    with live(Server(engine(trained), MODEL)) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def reference(trained) -> LLM:
+    """The server's own engine belongs to its engine thread: expectations come from this one."""
+    return engine(trained)
+
+
+@pytest.fixture()
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_completion_logprobs_are_the_engines(client, reference):
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=3)
+    [want] = reference.generate(PROMPT, SamplingParams(max_tokens=12, logprobs=3))
+    logprobs = out.choices[0].logprobs
+    text = lambda t: reference.tokenizer.decode([t], skip_special_tokens=False)
+    assert logprobs.tokens == [text(t) for t in want.token_ids]
+    assert logprobs.token_logprobs == pytest.approx([e.logprob for e in want.logprobs], abs=ATOL)
+    assert all(len(top) <= 3 and max(top, key=top.get) == tok for top, tok in zip(logprobs.top_logprobs,
+               logprobs.tokens, strict=True))  # fmt: skip
+    assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
+
+
+def test_echo_scores_token_prompts_as_lm_eval_sends_them(client, reference):
+    """A batch of two token-id prompts, echo, logprobs 1, max_tokens 0 and 1: every prompt token after
+    the first gets the model's log-probability, then the generated token (if any) follows."""
+    prompts = [reference.tokenizer.encode(PROMPT), reference.tokenizer.encode("x = [1, 2, 3]\ny = ")]
+    for max_tokens in (0, 1):
+        out = client.completions.create(model=MODEL, prompt=prompts, max_tokens=max_tokens, temperature=0,
+                                        echo=True, logprobs=1)  # fmt: skip
+        assert [c.index for c in out.choices] == [0, 1]
+        for prompt, choice in zip(prompts, out.choices, strict=True):
+            scores = choice.logprobs.token_logprobs
+            assert len(scores) == len(prompt) + max_tokens and scores[0] is None
+            reference_logprobs = reference.runner.log_probs(prompt)
+            want = [reference_logprobs[i - 1, t].item() for i, t in enumerate(prompt) if i]
+            assert scores[1 : len(prompt)] == pytest.approx(want, abs=ATOL)
+            assert choice.text.startswith(reference.tokenizer.decode(prompt))
+        assert out.usage.completion_tokens == 2 * max_tokens
+
+
+def test_n_samples_share_the_prompts_prefill_and_follow_their_seeds(client, reference):
+    prompt = reference.tokenizer.encode(PROMPT * 2)  # several full KV blocks
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=1.0, seed=11, n=3)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    params = [SamplingParams(max_tokens=10, temperature=1.0, seed=11 + j) for j in range(3)]
+    want = reference.generate([prompt] * 3, params)
+    assert [c.text for c in out.choices] == [w.text for w in want]
+    blocks = (len(prompt) - 1) // 16  # with a draft a block's key includes the token after it
+    assert out.usage.prompt_tokens_details.cached_tokens >= 2 * blocks * 16  # samples 2 and 3 reuse them
+    assert out.usage.prompt_tokens == len(prompt)
+
+
+def test_chat_logprobs_and_streamed_choices(client, reference):
+    messages = [{"role": "user", "content": "Write a loop."}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0, n=2,
+                                          logprobs=True, top_logprobs=2)  # fmt: skip
+    content = full.choices[0].logprobs.content
+    assert len(content) == full.usage.completion_tokens // 2 and all(
+        len(c.top_logprobs) == 2 for c in content
+    )
+    ids = reference.tokenizer.encode_chat(messages)
+    [want] = reference.generate([ids], SamplingParams(max_tokens=16, logprobs=2))
+    assert [c.logprob for c in content] == pytest.approx([e.logprob for e in want.logprobs], abs=ATOL)
+    assert full.choices[0].message.content == full.choices[1].message.content == want.text
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0, n=2,
+                                            logprobs=True, top_logprobs=2, stream=True)  # fmt: skip
+    chunks = list(stream)
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        assert "".join(c.delta.content or "" for c in mine) == want.text
+        streamed = [e.logprob for c in mine if c.logprobs for e in c.logprobs.content]
+        assert streamed == pytest.approx([e.logprob for e in want.logprobs], abs=ATOL)
+
+
+def test_penalties_through_the_api_equal_the_engines(client, reference):
+    penalties = dict(presence_penalty=1.2, frequency_penalty=0.8)
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0,
+                                    extra_body={"repetition_penalty": 1.4}, **penalties)  # fmt: skip
+    params = SamplingParams(max_tokens=20, repetition_penalty=1.4, **penalties)
+    [want] = reference.generate(PROMPT, params)
+    assert out.choices[0].text == want.text
+    assert want.text != reference.generate(PROMPT, SamplingParams(max_tokens=20))[0].text
+
+
+@pytest.mark.parametrize(
+    ("chat", "fields", "param"),
+    [
+        (True, {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+        (True, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        (False, {"logprobs": 21}, "logprobs"),
+        (False, {"n": 17}, "n"),
+        (False, {"n": 1, "best_of": 2}, "best_of"),
+        (False, {"max_tokens": 0}, "max_tokens"),  # 0 only with echo
+        (True, {"echo": True}, "echo"),
+        (False, {"repetition_penalty": 0}, "repetition_penalty"),
+        (False, {"presence_penalty": 2.5}, "presence_penalty"),
+        (False, {"prompt": [[1, 2], "x", 7]}, "prompt[2]"),
+        (False, {"top_k": 2**63}, "top_k"),  # past an int64 (found by the schema fuzzer: was a 500)
+    ],
+)
+def test_bad_fields_are_400s_naming_them(client, chat, fields, param):
+    body = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+    create = client.chat.completions.create if chat else client.completions.create
+    with pytest.raises(openai.BadRequestError) as error:
+        create(model=MODEL, extra_body=fields, **body)  # extra_body's fields override the body's
+    assert error.value.body["param"] == param
