@@ -132,6 +132,37 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for, which may be part of a UTF-8 character (decode gives U+FFFD there):
+        byte-level BPE maps its alphabet back to bytes ("Ġ" -> b" ", "âĤ¬" -> "€"'s 3 bytes); SentencePiece
+        byte fallback "<0xE2>" is one byte, and "▁" a space. Special tokens are their text."""
+        token = self._backend.id_to_token(token_id) or ""
+        if token_id in self._special_ids:
+            return token.encode()
+        if self._byte_decoder is not None and all(c in self._byte_decoder for c in token):
+            return bytes(self._byte_decoder[c] for c in token)
+        if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+            return bytes([int(token[3:5], 16)])
+        return token.replace("\u2581", " ").encode()
+
+    @cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(i for i, t in self._backend.get_added_tokens_decoder().items() if t.special)
+
+    @cached_property
+    def _byte_decoder(self) -> dict[str, int] | None:
+        """GPT-2's byte-level alphabet (character -> byte) when the tokenizer decodes byte-level."""
+        decoder = json.loads(self._backend.to_str()).get("decoder") or {}
+        kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders") or []}
+        if "ByteLevel" not in kinds:
+            return None
+        # printable Latin-1 bytes stand for themselves; the other 68 take the characters from 256 on
+        printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+        others = [b for b in range(256) if b not in printable]
+        alphabet = dict(zip(printable, map(chr, printable), strict=True))
+        alphabet |= {b: chr(256 + i) for i, b in enumerate(others)}
+        return {c: b for b, c in alphabet.items()}
+
     @cached_property
     def _compiled_chat_template(self) -> jinja2.Template:
         if self.chat_template is None:

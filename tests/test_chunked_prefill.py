@@ -4,6 +4,8 @@ tokens while a long prompt prefills."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import (
@@ -16,7 +18,7 @@ from conftest import (
 
 from redline import LLM, SamplingParams
 from redline.data import sharegpt
-from redline.engine.prefill import PrefillChunk
+from redline.engine.prefill import PrefillChunk, PrefillResult
 from redline.models.gguf import gguf_model_dir, smollm2_gguf
 from redline.models.random_init import write_random_draft
 
@@ -27,7 +29,7 @@ def _recording(llm: LLM) -> list[list[PrefillChunk]]:
     """Every prefill forward's chunks, as the runner runs them."""
     forwards, prefill = [], llm.runner.prefill_batch
 
-    def recorded(chunks: list[PrefillChunk]) -> list[int | None]:
+    def recorded(chunks: list[PrefillChunk]) -> list[PrefillResult]:
         forwards.append(chunks)
         return prefill(chunks)
 
@@ -80,6 +82,33 @@ def test_waiting_prompts_prefill_in_one_forward(tmp_path, tokenizer_dir):
     prompts = [torch.randint(5, 384, (n,)).tolist() for n in (20, 40, 33, 27)]
     llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True))
     assert [[(c.tokens, c.start, c.end) for c in f] for f in forwards] == [[(p, 0, len(p)) for p in prompts]]
+
+
+def test_samples_of_one_prompt_share_its_prefill_and_block_no_one_else(tmp_path, tokenizer_dir):
+    """Two samples of a 200-token prompt (a group, as the server's n = 2 makes them) and a short unrelated
+    prompt, chunks of 64: the first sample and the short prompt are admitted at once; the second sample
+    waits until the first is prefilled, then takes its 12 full blocks from the prefix cache and computes
+    only the last 8 positions."""
+    target = save_hf_model(build_hf_model(llama3_hf_config(), seed=8), tmp_path / "t", tokenizer_dir)
+    llm = LLM(target, max_batch=3, max_prefill_tokens=64, **KW)
+    forwards = _recording(llm)
+    long, short = torch.randint(5, 384, (200,)).tolist(), torch.randint(5, 384, (10,)).tolist()
+    params = SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True)
+    group = object()
+    first, second, other = (llm.make_request(p, dataclasses.replace(params, seed=s)) for p, s in
+                            ((long, 1), (long, 2), (short, 3)))  # fmt: skip
+    first.group = second.group = group
+    for request in (first, second, other):
+        llm.scheduler.add(request)
+    llm.scheduler.step()
+    assert second.slot is None and other.slot is not None  # the sibling waits; the unrelated prompt does not
+    while llm.scheduler.has_work:
+        llm.scheduler.step()
+    chunks = [(c.tokens, c.start) for f in forwards for c in f]
+    assert [start for tokens, start in chunks if tokens == long] == [0, 64, 128, 192, 192]  # second: 192 on
+    assert second.cached_tokens == 192 and first.cached_tokens == 0
+    assert llm.runner.prefilled_tokens == 200 + 8 + 10
+    assert first.completion().token_ids != second.completion().token_ids  # seeds 1 and 2
 
 
 def test_a_running_stream_receives_tokens_between_the_chunks_of_a_long_prompt(tmp_path, tokenizer_dir):

@@ -96,3 +96,18 @@ def test_prompt_logprobs_through_chunks_and_a_warm_prefix_cache(trained):
         [e.logprob for e in only.prompt_logprobs[1:]], abs=ATOL
     )
     check_against_reference(llm, prompt, both.token_ids, both.logprobs, 1)
+
+
+def test_prompt_logprobs_start_over_when_a_chunked_prefill_is_preempted(trained):
+    """A pool of 11 blocks, chunks of 32: the 120-token prompt asking for prompt logprobs is preempted
+    part-way through its prefill by the decoding request before it, and prefilled again from its first
+    token; its prompt logprobs are each prompt token's once."""
+    probe = LLM(trained / "target", dtype="float32", max_seq_len=256, progress=False)
+    llm = LLM(trained / "target", dtype="float32", max_seq_len=256, max_batch=4, progress=False,
+              kv_cache_memory=11 * probe.runner.block_bytes, max_prefill_tokens=32)  # fmt: skip
+    running, scored = (torch.randint(5, llm.config.vocab_size, (n,)).tolist() for n in (45, 120))
+    _, out = llm.generate([running, scored], [SamplingParams(max_tokens=100, ignore_eos=True),
+                                              SamplingParams(max_tokens=2, prompt_logprobs=1)])  # fmt: skip
+    assert out.preemptions > 0
+    assert len(out.prompt_logprobs) == len(scored)
+    check_against_reference(llm, scored[:1], scored[1:], out.prompt_logprobs[1:], 1)

@@ -14,6 +14,7 @@ pytest.importorskip("uvicorn")
 from live_server import live  # noqa: E402
 
 from redline import LLM, SamplingParams  # noqa: E402
+from redline.benchmark.serve_bench import PREFIX_HITS, scrape_metrics  # noqa: E402
 from redline.server.app import Server  # noqa: E402
 
 MODEL = "tiny"
@@ -73,16 +74,19 @@ def test_echo_scores_token_prompts_as_lm_eval_sends_them(client, reference):
         assert out.usage.completion_tokens == 2 * max_tokens
 
 
-def test_n_samples_share_the_prompts_prefill_and_follow_their_seeds(client, reference):
+def test_n_samples_share_the_prompts_prefill_and_follow_their_seeds(client, reference, url):
     prompt = reference.tokenizer.encode(PROMPT * 2)  # several full KV blocks
+    hits_before = scrape_metrics(url)[PREFIX_HITS]
     out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=1.0, seed=11, n=3)
     assert [c.index for c in out.choices] == [0, 1, 2]
     params = [SamplingParams(max_tokens=10, temperature=1.0, seed=11 + j) for j in range(3)]
     want = reference.generate([prompt] * 3, params)
     assert [c.text for c in out.choices] == [w.text for w in want]
     blocks = (len(prompt) - 1) // 16  # with a draft a block's key includes the token after it
-    assert out.usage.prompt_tokens_details.cached_tokens >= 2 * blocks * 16  # samples 2 and 3 reuse them
-    assert out.usage.prompt_tokens == len(prompt)
+    hits = scrape_metrics(url)[PREFIX_HITS] - hits_before
+    assert hits >= 2 * blocks * 16  # samples 2 and 3 reuse the first one's blocks
+    assert out.usage.prompt_tokens == len(prompt)  # once: the samples share it
+    assert out.usage.prompt_tokens_details.cached_tokens <= len(prompt)  # the fewest any sample reused
 
 
 def test_chat_logprobs_and_streamed_choices(client, reference):
@@ -131,6 +135,7 @@ def test_penalties_through_the_api_equal_the_engines(client, reference):
         (False, {"presence_penalty": 2.5}, "presence_penalty"),
         (False, {"prompt": [[1, 2], "x", 7]}, "prompt[2]"),
         (False, {"top_k": 2**63}, "top_k"),  # past an int64 (found by the schema fuzzer: was a 500)
+        (False, {"prompt": ["a"] * 5, "n": 16}, "n"),  # 80 choices: more than the queue (64) ever holds
     ],
 )
 def test_bad_fields_are_400s_naming_them(client, chat, fields, param):
@@ -139,3 +144,14 @@ def test_bad_fields_are_400s_naming_them(client, chat, fields, param):
     with pytest.raises(openai.BadRequestError) as error:
         create(model=MODEL, extra_body=fields, **body)  # extra_body's fields override the body's
     assert error.value.body["param"] == param
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3])
+def test_a_stream_delivers_every_token_and_its_logprob_once(client, max_tokens):
+    """The first tokens come from prefill and the next from a decode step of the same engine step: the
+    stream still carries all of the text, and each token's logprob exactly once."""
+    kw = dict(model=MODEL, prompt="def main():\n    return", max_tokens=max_tokens, temperature=0, logprobs=0)
+    whole = client.completions.create(**kw).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw)]
+    assert "".join(c.text for c in chunks) == whole.text
+    assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == whole.logprobs.tokens

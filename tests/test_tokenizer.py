@@ -266,6 +266,14 @@ def test_characters_split_over_byte_tokens_are_held_back(tokenizer: Tokenizer) -
     assert [piece for piece in pieces if piece] == list(UNSEEN_TEXT)
 
 
+@pytest.mark.parametrize("text", [*MULTIBYTE_TEXTS, UNSEEN_TEXT])
+def test_token_bytes_join_to_the_texts_utf8(tokenizer: Tokenizer, text: str) -> None:
+    """Byte-level BPE: each token's own bytes (what chat logprobs report), even the bytes of part of a
+    character, join to the text's UTF-8."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert b"".join(tokenizer.token_bytes(i) for i in ids) == text.encode()
+
+
 def test_prompt_context_gives_right_first_piece(tokenizer: Tokenizer) -> None:
     prompt_ids = tokenizer.encode("The answer is")
     generated_ids = tokenizer.encode(" forty-two 🙂", add_special_tokens=False)
@@ -297,6 +305,8 @@ def test_sentencepiece_style_leading_spaces(sentencepiece_style_tokenizer: Token
     prompt_ids = tokenizer.encode("Say")
     pieces = stream(IncrementalDetokenizer(tokenizer, prompt_ids), generated_ids)
     assert "".join(pieces) == " hello world, the json decoder"
+    # token bytes: "▁" is a space (the decoder drops the sequence's first)
+    assert b"".join(tokenizer.token_bytes(i) for i in generated_ids) == b" hello world, the json decoder"
 
 
 # --- stop strings -----------------------------------------------------------------------------------------

@@ -406,7 +406,7 @@ class ModelRunner:
         sampling = self.sampling.take(slots)
         any_sampling = any(c.slot in self.sampling_slots for c in chunks)
         final = torch.tensor([c.final for c in chunks], device=self.device)[:, None]  # [B, 1]
-        packed = None
+        packed = counts = None
         if any_sampling:
             position = batch.positions.gather(1, last) + 1  # [B, 1] where the first new token goes
             logits = self.model.logits(h_last)  # [B, 1, V]
@@ -414,8 +414,7 @@ class ModelRunner:
             penalized = penalize(logits, sampling, counts[:, None], self.state.seen[slots])
             first = select_tokens(penalized, sampling, position, True)
             packed = logprobs.pack(logits, first)  # [B, W]
-            count_emitted(counts, first, final)
-            self.state.counts[slots] = counts  # final chunks' first tokens count for their penalties
+            count_emitted(counts, first, final)  # final chunks' first tokens count for their penalties
         else:
             first = self.model.greedy_tokens(h_last)  # [B, 1]
         pending, probs = first, None
@@ -428,7 +427,7 @@ class ModelRunner:
             # the proposals run K - 1 positions past the last row
             kv_len = min(max(batch.kv_len, max(c.end for c in chunks) + 2 * self.k + 1), self.cache_len)
             cache = self.draft_cache.layers[0]
-            penalties = (self.state.counts[slots], self.state.seen[slots]) if any_sampling else None
+            penalties = None if counts is None else (counts, self.state.seen[slots])
             drafts, probs = propose(self.draft, aux, next_tokens, batch.positions, batch.last, self.k, cache,
                                     tables, kv_len, sampling, any_sampling, penalties)  # fmt: skip
             pending = self.model.tp.from_first_rank(torch.cat((first, drafts), dim=1))  # [B, K + 1]: rank 0's
@@ -441,6 +440,8 @@ class ModelRunner:
         self.state.active[done] = True
         if probs is not None and self.state.draft_probs is not None:
             self.state.draft_probs[done] = probs[index]
+        if counts is not None:  # last: a prefill that raises before here leaves the counts as they were
+            self.state.counts[slots] = counts
         return DevicePrefill(first[:, 0], packed, {})
 
     def run_step(self, rows: int, kv_len: int, any_sampling: bool) -> torch.Tensor:

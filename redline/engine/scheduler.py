@@ -82,10 +82,12 @@ class Scheduler:
     def _admit(self, events: Events) -> None:
         """Waiting requests into free slots while the pool holds their tokens, oldest first."""
         free = [s for s in range(self.runner.slots) if s not in self.running]
-        while self.waiting and free and self.unusable is None:
-            request, slot = self.waiting[0], free[0]
+        for request in list(self.waiting):
+            if not free or self.unusable is not None:
+                break
             if self._sibling_prefilling(request):
-                break  # it waits a step, then takes the sibling's prompt blocks from the prefix cache
+                continue  # it waits a step, then takes the sibling's prompt blocks from the prefix cache
+            slot = free[0]
             tokens = request.prompt_ids + request.output_ids  # a preempted request's too
             try:
                 cached = self.runner.admit(
@@ -99,11 +101,11 @@ class Scheduler:
             if cached is None:
                 if self.running:
                     break  # blocks come back as running requests end
-                self.waiting.popleft()
+                self.waiting.remove(request)
                 self.fail(request, self._too_large(len(tokens)))
                 events.append((request, ""))
                 continue
-            self.waiting.popleft()
+            self.waiting.remove(request)
             request.slot = free.pop(0)
             request.prefill_ids, request.computed = tokens, cached
             request.cached_tokens += cached
@@ -115,6 +117,7 @@ class Scheduler:
         return (
             request.group is not None
             and self.runner.prefix_caching
+            and request.params.prompt_logprobs is None  # it would not reuse them: prefill at once
             and any(r.group is request.group and r.prefill_ids is not None for r in self.running.values())
         )
 
@@ -212,6 +215,8 @@ class Scheduler:
         del self.running[request.slot]
         self.runner.release(request.slot)
         request.slot, request.prefill_ids = None, None
+        if not request.prompt_logprobs_done:  # its prefill starts over at the first token
+            request.prompt_logprobs.clear()
         request.preemptions += 1
         self.waiting.appendleft(request)
         log.info("preempted a request at %d tokens: the KV pool is full", request.position + 1)

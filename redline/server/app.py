@@ -123,6 +123,9 @@ class Server:
 
             return consume
 
+        if len(choices) > self.engine.max_queue:  # it would be refused however long it waited
+            raise APIError(400, f"{len(choices)} choices (prompts x n) exceed the server's queue of "
+                           f"{self.engine.max_queue} requests", "n")  # fmt: skip
         for k, choice in enumerate(choices):
             try:
                 self.engine.submit(choice.request, consumer(choice))
@@ -161,7 +164,8 @@ async def sse_events(
             return
         if choice.echo is not None and not choice.started:
             prompt = choice.request.prompt_ids
-            entries = event.prompt_logprobs
+            asked = choice.request.params.logprobs is not None  # (max_tokens 0 computes them regardless)
+            entries = event.prompt_logprobs if asked else None
             logprobs = None if entries is None else responder.logprobs(choice, prompt, entries)
             yield responder.chunk(choice, choice.echo, logprobs)
         choice.started = True

@@ -2,9 +2,10 @@
 one or more choices, with logprobs in each API's own shape.
 
 Completions: {"tokens": [text], "token_logprobs": [float | null], "top_logprobs": [{text: float} | null],
-"text_offset": [int]}, a prompt's first token (echo) having null. Chat: {"content": [{"token", "logprob",
-"bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}. A token's text is its own decode (special
-tokens kept), which may be part of a character: "bytes" are its UTF-8 bytes.
+"text_offset": [int]}, a prompt's first token (echo) having null; offsets index the returned text, where
+special tokens (a prompt's BOS) take no room. Chat: {"content": [{"token", "logprob", "bytes",
+"top_logprobs": [{"token", "logprob", "bytes"}]}]}. A token's text is its own decode (special tokens
+kept), which may be part of a character: "bytes" are the token's own bytes (Tokenizer.token_bytes).
 """
 
 from __future__ import annotations
@@ -33,11 +34,15 @@ class Choice:
 
 
 def usage(completions: list[Completion], choices: list[Choice]) -> dict:
-    """Prompt tokens once per prompt (its n samples share it), completion tokens of every choice."""
-    prompts = {id(c.request.group) if c.request.group is not None else id(c): c for c in choices}
-    prompt_tokens = sum(len(c.request.prompt_ids) for c in prompts.values())
+    """Prompt tokens once per prompt (its n samples share it), completion tokens of every choice. A prompt's
+    cached tokens are those none of its samples computed (the fewest any sample took from the cache)."""
+    prompts: dict[int, list[Completion]] = {}
+    for choice, completion in zip(choices, completions, strict=True):
+        group = choice.request.group
+        prompts.setdefault(id(group) if group is not None else id(choice), []).append(completion)
+    prompt_tokens = sum(samples[0].prompt_tokens for samples in prompts.values())
     completion_tokens = sum(c.completion_tokens for c in completions)
-    cached = sum(c.cached_tokens for c in completions)
+    cached = sum(min(c.cached_tokens for c in samples) for samples in prompts.values())
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
@@ -69,8 +74,8 @@ class Responder:
         if self.chat:
 
             def item(token: int, logprob: float) -> dict:
-                text = self._text(token)
-                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+                return {"token": self._text(token), "logprob": logprob,
+                        "bytes": list(self.tokenizer.token_bytes(token))}  # fmt: skip
 
             content = [
                 item(e.token, e.logprob) | {"top_logprobs": [item(t, lp) for t, lp in e.top]}
@@ -79,9 +84,9 @@ class Responder:
             ]
             return {"content": content}
         offsets = []
-        for text in texts:
+        for token in tokens:
             offsets.append(choice.offset)
-            choice.offset += len(text)
+            choice.offset += len(self.tokenizer.decode([token]))  # special tokens: none of the text
         return {
             "tokens": texts,
             "token_logprobs": [None if e is None else e.logprob for e in entries],
