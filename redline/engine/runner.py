@@ -100,6 +100,12 @@ class ModelRunner:
             2 * c.num_layers * c.num_kv_heads * BLOCK * c.head_dim * kv_dtype.itemsize for c in configs
         )  # fmt: skip
         self.prefix_caching = prefix_caching
+        # the decode state first: its per-slot penalty counts ([slots, V]) count as memory in use for the KV
+        # budget measured next
+        draft_vocab = draft.config.draft_vocab_size if draft is not None else None
+        vocab = model.config.vocab_size
+        self.state = DecodeState.empty(slots, self.k, vocab, draft_vocab, self.device)
+        self.sampling = SamplingTensors.zeros(slots, self.device)
         # a draft's row at p reads the token at p + 1: its blocks are keyed with the token after them
         blocks = self._pool_blocks(slots, kv_cache_memory, gpu_memory_utilization)
         self.pool = BlockPool(blocks, BLOCK, int(draft is not None))
@@ -111,10 +117,6 @@ class ModelRunner:
             layer = draft.config.layer
             self.draft_cache = KVCache(layer, slots, self.cache_len, kv_dtype, self.device, blocks)
             self.draft_cache.table = self.cache.table  # the same positions: the same blocks
-        draft_vocab = draft.config.draft_vocab_size if draft is not None else None
-        vocab = model.config.vocab_size
-        self.state = DecodeState.empty(slots, self.k, vocab, draft_vocab, self.device)
-        self.sampling = SamplingTensors.zeros(slots, self.device)
         # slots whose request needs the logits path: it samples, has penalties or asks for logprobs
         self.sampling_slots: set[int] = set()
         self.logprob_slots: dict[int, int] = {}  # slot -> top logprobs its request reports per token
