@@ -127,12 +127,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def checkpoint_dir(path: Path) -> Path:
-    """A checkpoint directory as it is; a hub id: its snapshot; a .gguf file: its bf16 import (made once,
-    cached)."""
+def checkpoint_dir(path: Path, revision: str | None = None) -> Path:
+    """A checkpoint directory as it is; a hub id: its snapshot at `revision`; a .gguf file: its bf16 import
+    (made once, cached)."""
     from redline.models import hub
 
-    path = hub.resolve(path)
+    path = hub.resolve(path, revision)
     if path.suffix != ".gguf":
         return path
     import torch
@@ -143,7 +143,8 @@ def checkpoint_dir(path: Path) -> Path:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    c = ModelConfig.from_dir(checkpoint_dir(args.model))
+    model_dir = checkpoint_dir(args.model, args.revision)
+    c = ModelConfig.from_dir(model_dir)
     print(f"architecture: {c.architecture} ({c.family})")
     print(f"parameters: ~{c.num_params_estimate / 1e6:.1f}M")
     print(
@@ -167,7 +168,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         pattern.append(f"{attn}+{'moe' if i in c.moe_layers else 'dense'}")
     print("layers: " + " ".join(f"{i}:{p}" for i, p in enumerate(pattern)))
     if args.tensor_parallel_size > 1:
-        print(_per_rank(checkpoint_dir(args.model), args.tensor_parallel_size, args.expert_parallel))
+        print(_per_rank(model_dir, args.tensor_parallel_size, args.expert_parallel))
     return 0
 
 
@@ -463,6 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="print the architecture, sizes and layer pattern")
     i.add_argument("--model", required=True, type=Path)
+    i.add_argument("--revision", default=None, help="with a hub id: the branch, tag or commit (default main)")
     add_tensor_parallel_arg(i)
     i.set_defaults(func=cmd_info)
 

@@ -14,6 +14,7 @@ import torch
 _MASK32 = 0xFFFFFFFF
 MAX_LOGPROBS = 20  # top log-probabilities a token can report (OpenAI's top_logprobs limit)
 MAX_REPETITION_PENALTY = 10.0
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)
 MAX_TOP_K = 2**31 - 1  # top_k is an int64 tensor entry; anything past the vocabulary keeps it all
 
 
@@ -50,8 +51,10 @@ class SamplingParams:
         if not isinstance(self.top_k, int) or not 0 <= self.top_k <= MAX_TOP_K:
             raise ValueError(f"top_k must be an integer in [0, {MAX_TOP_K}], got {self.top_k!r}")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise ValueError(
+                    f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {getattr(self, name)!r}"
+                )
         if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
             bound = f"(0, {MAX_REPETITION_PENALTY}]"
             raise ValueError(f"repetition_penalty must be in {bound}, got {self.repetition_penalty!r}")

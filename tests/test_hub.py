@@ -91,3 +91,7 @@ def test_serve_takes_the_model_as_vllm_serve_does():
 def test_info_reads_a_hub_id(offline_cache, capsys):
     assert main(["info", "--model", REPO]) == 0
     assert "LlamaForCausalLM" in capsys.readouterr().out
+    assert main(["info", "--model", REPO, "--revision", "v2"]) == 0
+    capsys.readouterr()
+    assert main(["info", "--model", REPO, "--revision", "v9"]) == 2  # the revision reaches the resolver
+    assert "at revision 'v9' is not in the Hugging Face cache" in capsys.readouterr().err

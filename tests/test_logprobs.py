@@ -11,7 +11,10 @@ import pytest
 import torch
 
 from redline import LLM, SamplingParams
+from redline.data import sharegpt
 from redline.logprobs import TokenLogprob, pack, unpack
+from redline.models.gguf import gguf_model_dir, smollm2_gguf
+from redline.models.random_init import write_random_draft
 
 ATOL = 1e-4
 PROMPTS = ["import os\nimport sys\n\n\ndef main():\n", "class Reader:\n    def __init__(self, path", "x = ["]
@@ -111,3 +114,28 @@ def test_prompt_logprobs_start_over_when_a_chunked_prefill_is_preempted(trained)
     assert out.preemptions > 0
     assert len(out.prompt_logprobs) == len(scored)
     check_against_reference(llm, scored[:1], scored[1:], out.prompt_logprobs[1:], 1)
+
+
+def test_smollm2_logprobs_of_a_long_prompt_and_its_completion_with_and_without_a_draft(tmp_path):
+    """The real SmolLM2-135M-Instruct (fp32), a 2,000-token prompt of real ShareGPT text prefilled in chunks
+    of 1,024 (each chunk's prompt logprobs computed 512 rows at a time), then 12 greedy tokens: every
+    prompt and generated token's logprob, and its top 2, equal one whole forward of the sequence, with an
+    EAGLE-3 draft (K = 2) and without."""
+    model_dir = gguf_model_dir(smollm2_gguf(), torch.float32, progress=False)
+    draft = write_random_draft(model_dir, tmp_path / "draft")
+    text = " ".join(m["content"] for c in sharegpt.conversations("train")[:40] for m in c.messages)
+    kw = dict(dtype="float32", max_batch=1, max_seq_len=2100, max_prefill_tokens=1024, progress=False)
+    params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    runs = []
+    for d in (None, draft):
+        llm = LLM(model_dir, draft=d, num_draft_tokens=2, compile=False, **kw)
+        prompt = llm.tokenizer.encode(text)[:2000]
+        [out] = llm.generate([prompt], params)
+        runs.append(out)
+    assert runs[0].token_ids == runs[1].token_ids
+    assert len(runs[1].prompt_logprobs) == len(prompt)
+    sequence = prompt + runs[0].token_ids
+    entries = runs[1].prompt_logprobs[1:] + runs[1].logprobs
+    check_against_reference(llm, prompt[:1], sequence[1:], entries, 2)
+    plain = [e.logprob for e in runs[0].prompt_logprobs[1:] + runs[0].logprobs]
+    assert plain == pytest.approx([e.logprob for e in entries], abs=ATOL)

@@ -455,13 +455,14 @@ class ModelRunner:
     def decode(self, rows: int, last_position: int) -> StepOutput:
         """One step over slots [0, rows): per row its emitted tokens followed by n_acc, and the accepted
         tokens' log-probabilities of the slots asking for them."""
-        any_sampling = bool(self.sampling_slots)
-        out = self.run_step(rows, self.kv_len_for(last_position), any_sampling)
-        host = (self._host_out_logprobs if any_sampling else self._host_out)[:rows]
+        out = self.run_step(rows, self.kv_len_for(last_position), bool(self.sampling_slots))
+        width = self.k + 2
+        if not self.logprob_slots:  # the packed log-probabilities stay on the device
+            out = out[:, :width]
+        host = (self._host_out if out.shape[1] == width else self._host_out_logprobs)[:rows]
         host.copy_(out, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
-        width = self.k + 2
         tokens = host[:, :width].tolist()
         chosen: dict[int, list[TokenLogprob]] = {}
         for slot, top in self.logprob_slots.items():

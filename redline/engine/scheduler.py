@@ -63,8 +63,8 @@ class Scheduler:
 
     def step(self) -> Events:
         """Admits waiting requests into free slots, runs one prefill forward, then decodes one step for
-        every request past its prefill. Returns (request, new text) for every request that received
-        tokens or finished, failed ones too."""
+        every request past its prefill. Returns (request, new text) once for every request that received
+        tokens or finished, failed ones too (a request prefilled and decoded in this step: both pieces)."""
         events: Events = []
         self._admit(events)
         if self.unusable is None:
@@ -73,7 +73,10 @@ class Scheduler:
             self._reserve_step(events)
         if self._decoding() and self.unusable is None:
             self._decode(events)
-        return events
+        texts: dict[Request, str] = {}
+        for request, text in events:
+            texts[request] = texts.get(request, "") + text
+        return list(texts.items())
 
     def _decoding(self) -> dict[int, Request]:
         """Running requests past their prefill, by slot, in admission order."""

@@ -81,8 +81,12 @@ class Server:
             prompts.append((self.chat_ids(parsed.messages), None))
         for prompt in parsed.prompts or []:
             ids = self.llm.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            text = prompt if isinstance(prompt, str) else self.llm.tokenizer.decode(prompt)
-            prompts.append((ids, text if parsed.echo else None))
+            echo = (
+                (prompt if isinstance(prompt, str) else self.llm.tokenizer.decode(prompt))
+                if parsed.echo
+                else None
+            )
+            prompts.append((ids, echo))
         choices = []
         for i, (ids, echo) in enumerate(prompts):
             params = parsed.params

@@ -43,15 +43,6 @@ class Event:
 Consumer = Callable[[Event], None]
 
 
-def merged(events: Events) -> dict[Request, str]:
-    """One event per request and step, its pieces joined in order: a request that prefills and decodes in
-    one step has two, and delivering the first could end it (and drop the second's text)."""
-    texts: dict[Request, str] = {}
-    for request, text in events:
-        texts[request] = texts.get(request, "") + text
-    return texts
-
-
 class QueueFull(Exception):
     pass
 
@@ -149,7 +140,7 @@ class EngineLoop:
                 log.exception("engine step failed")
                 events = self._fail_all(f"internal error in the engine step: {type(e).__name__}: {e}")
         self._settle_queue()
-        for request, text in merged(events).items():
+        for request, text in events:
             self._deliver(request, text)
         if isinstance(self.llm.runner, ParallelRunner) and (dead := self.llm.runner.lost()) is not None:
             raise RankLostError(f"tensor-parallel {dead} died")  # ends the loop: the server exits

@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from redline.sampling import MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_TOP_K, SamplingParams
+from redline.sampling import MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TOP_K, SamplingParams
 from redline.server.errors import APIError, invalid
 
+MAX_TEMPERATURE = 2.0  # OpenAI's range: [0, 2]
 MAX_STOP_STRINGS = 16  # lm-eval sends a task's stop sequences and the eos string: humaneval's are 6
 MAX_N = 16  # samples per prompt
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
@@ -120,15 +121,15 @@ def _sampling(
         raise invalid("seed", f"must be an integer, got {type(seed).__name__}")
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=_number(data, "temperature", 1.0, 0.0, 2.0),
+        temperature=_number(data, "temperature", 1.0, 0.0, MAX_TEMPERATURE),
         top_p=_number(data, "top_p", 1.0, 0.0, 1.0, low_open=True),
         top_k=_integer(data, "top_k", 0, MAX_TOP_K) or 0,
         min_p=_number(data, "min_p", 0.0, 0.0, 1.0),
         seed=seed,
         stop=stops,
         ignore_eos=_boolean(data, "ignore_eos"),
-        presence_penalty=_number(data, "presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=_number(data, "frequency_penalty", 0.0, -2.0, 2.0),
+        presence_penalty=_number(data, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
+        frequency_penalty=_number(data, "frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
         repetition_penalty=_number(
             data, "repetition_penalty", 1.0, 0.0, MAX_REPETITION_PENALTY, low_open=True
         ),

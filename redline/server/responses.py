@@ -70,7 +70,6 @@ class Responder:
 
     def logprobs(self, choice: Choice, tokens: list[int], entries: list[TokenLogprob | None]) -> dict:
         """The logprobs object of `tokens` (entries aligned with them; None: a prompt's first token)."""
-        texts = [self._text(t) for t in tokens]
         if self.chat:
 
             def item(token: int, logprob: float) -> dict:
@@ -88,7 +87,7 @@ class Responder:
             offsets.append(choice.offset)
             choice.offset += len(self.tokenizer.decode([token]))  # special tokens: none of the text
         return {
-            "tokens": texts,
+            "tokens": [self._text(t) for t in tokens],
             "token_logprobs": [None if e is None else e.logprob for e in entries],
             "top_logprobs": [None if e is None else {self._text(t): lp for t, lp in e.top} for e in entries],
             "text_offset": offsets,

@@ -14,13 +14,13 @@ from pydantic import BaseModel, ConfigDict, Field, RootModel
 from pydantic.json_schema import models_json_schema
 
 from redline import __version__
-from redline.sampling import MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_TOP_K
-from redline.server.protocol import MAX_N, MAX_PROMPTS, MAX_STOP_STRINGS
+from redline.sampling import MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TOP_K
+from redline.server.protocol import MAX_N, MAX_PROMPTS, MAX_STOP_STRINGS, MAX_TEMPERATURE
 
 TOKEN_ID = "a token id in [0, vocabulary size)"  # openapi_schema(vocab_size=...) adds the maximum here
 TokenId = Annotated[int, Field(ge=0, description=TOKEN_ID)]
 Probability = Annotated[float, Field(ge=0, le=1)]
-Penalty = Annotated[float, Field(ge=-2, le=2)]
+Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 NonEmpty = Annotated[str, Field(min_length=1)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
@@ -62,7 +62,9 @@ class Sampling(Body):
     stream_options: StreamOptions | None = Field(None, description="only with stream: true")
     stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: int | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] | None = Field(1.0, description="0: greedy")
+    temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)] | None = Field(
+        1.0, description="0: greedy"
+    )
     top_p: Annotated[float, Field(gt=0, le=1)] | None = 1.0
     top_k: Annotated[int, Field(ge=0, le=MAX_TOP_K)] | None = Field(0, description="0: off")
     min_p: Probability | None = 0.0

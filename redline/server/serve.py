@@ -39,7 +39,7 @@ def served_name(model: str) -> str:
     directory) -> "meta-llama/Llama-3.1-8B"."""
     from pathlib import Path
 
-    path = Path(model)
+    path = Path(model).expanduser()  # as hub.resolve reads it
     if not path.exists():
         return model
     return path.stem if path.suffix == ".gguf" else path.name
