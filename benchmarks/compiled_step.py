@@ -20,36 +20,35 @@ from pathlib import Path
 
 import torch
 
-from redline.engine.runner import ModelRunner
-from redline.models.build import load_target
-from redline.models.eagle3 import load_draft
-from redline.models.random_init import write_random_draft, write_random_model
-from redline.sampling import SamplingParams
+from redline.config import ModelConfig
+from redline.engine_config import EngineConfig
+from redline.parallel.group import SINGLE
+from redline.runner.build import build_runner
+from redline.runner.model_runner import ModelRunner
+from redline.runner.one_slot import fill_slot
+from redline.train.random_init import write_random_draft, write_random_model
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
-
+@torch.inference_mode()  # as the engine runs the step (ModelRunner.execute)
 def time_steps(runner: ModelRunner, prompt: list[int], steps: int) -> tuple[float, list[float]]:
     """Prefills `prompt` into slot 0; returns (first step seconds, later step seconds)."""
-    assert runner.reserve(0, runner.cache_len)  # KV blocks for the slot's whole context
-    runner.prefill(0, prompt, SamplingParams(), seed=0)
-    times = []
+    fill_slot(runner, prompt)
+    k, times = runner.shapes.k, []
     for i in range(steps + 1):
         start = time.perf_counter()
-        runner.decode(1, len(prompt) + i * (runner.k + 1))
+        runner.run_step(1, runner.shapes.kv_len_for(len(prompt) + i * (k + 1)), False)
         times.append(time.perf_counter() - start)
     return times[0], times[1:]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--prompt-len", type=int, default=100)
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    dtype = DTYPES[args.dtype]
     # the furthest position a step may reach stays inside one KV bucket: no recompile while timing
     max_len = args.prompt_len + (args.steps + 1) * 4 + 8
 
@@ -59,16 +58,18 @@ def main() -> None:
             num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False,
         )  # fmt: skip
         draft_dir = write_random_draft(target_dir, Path(tmp) / "draft")
-        target = load_target(target_dir, dtype, torch.device("cpu"))
-        draft = load_draft(draft_dir, target, dtype, torch.device("cpu"))
-        prompt = torch.randint(5, target.config.vocab_size, (args.prompt_len,)).tolist()
+        vocab = ModelConfig.from_dir(target_dir).vocab_size
+        prompt = torch.randint(5, vocab, (args.prompt_len,)).tolist()
 
         print(f"torch {torch.__version__}, {args.dtype}, threads {torch.get_num_threads()}, batch 1")
         print(f"{'step':<14}{'eager ms':>10}{'compiled ms':>13}{'speedup':>9}{'compile s':>11}")
         for name, k in (("plain K=0", 0), ("eagle3 K=3", 3)):
             results = {}
             for compiled in (False, True):
-                runner = ModelRunner(target, 1, max_len, draft if k else None, max(k, 1), compile=compiled)
+                drafting = {"draft": draft_dir, "num_speculative_tokens": k} if k else {}
+                config = EngineConfig.create(target_dir, dtype=args.dtype, max_num_seqs=1,
+                                             max_model_len=max_len, compile=compiled, **drafting)  # fmt: skip
+                runner = build_runner(config, SINGLE)  # as the engine builds it, kernels and all
                 torch._dynamo.reset()
                 first, rest = time_steps(runner, prompt, args.steps)
                 results[compiled] = (first, statistics.median(rest))

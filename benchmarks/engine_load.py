@@ -17,26 +17,34 @@ from redline import LLM, SamplingParams
 from redline.benchmark.machine import describe
 from redline.benchmark.prompts import sharegpt_requests
 from redline.models.gguf import smollm2_gguf
+from redline.runner.model_runner import ModelRunner
+from redline.runner.plan import PrefillBatch
 
 
-def timed(runner, counts: dict) -> None:
-    """Wraps the runner's prefill_batch and decode to add up their time and work."""
-    for name in ("prefill_batch", "decode"):
-        method = getattr(runner, name)
+def timed(runner: ModelRunner, counts: dict) -> None:
+    """Wraps the runner's prefill forward and decode step to add up their time and work (on CPU both run
+    synchronously: the time is the work's)."""
+    prefill_run, run_step = runner.prefill.run, runner.run_step
 
-        def wrapped(*args, method=method, name=name):
-            start = time.perf_counter()
-            out = method(*args)
-            counts[f"{name}_s"] += time.perf_counter() - start
-            counts[f"{name}_calls"] += 1
-            if name == "prefill_batch":
-                chunks = args[0]
-                counts["prefill_rows"] += len(chunks)
-                counts["prefill_tokens"] += sum(c.end - c.start for c in chunks)
-                counts["prefill_padded"] += len(chunks) * -(-max(c.end - c.start for c in chunks) // 16) * 16
-            return out
+    def prefill(batch: PrefillBatch):
+        start = time.perf_counter()
+        out = prefill_run(batch)
+        counts["prefill_batch_s"] += time.perf_counter() - start
+        counts["prefill_batch_calls"] += 1
+        lengths = [len(c.tokens) for c in batch.chunks]
+        counts["prefill_rows"] += len(lengths)
+        counts["prefill_tokens"] += sum(lengths)
+        counts["prefill_padded"] += len(lengths) * runner.shapes.prefill_len(max(lengths))
+        return out
 
-        setattr(runner, name, wrapped)
+    def step(*args):
+        start = time.perf_counter()
+        out = run_step(*args)
+        counts["decode_s"] += time.perf_counter() - start
+        counts["decode_calls"] += 1
+        return out
+
+    runner.prefill.run, runner.run_step = prefill, step
 
 
 def main() -> None:
@@ -56,13 +64,13 @@ def main() -> None:
         llm.make_request(llm.tokenizer.encode_chat(list(r.prompt)), SamplingParams(max_tokens=r.max_tokens))
         for r in sharegpt_requests(llm.tokenizer, args.requests, 128, 2048, False)
     ]
-    started, scheduler = [], llm.scheduler
+    started, engine = [], llm.engine
     begin = time.perf_counter()
-    while waiting or scheduler.has_work:
+    while waiting or engine.has_work:
         while waiting and sum(not r.finished for r in started) < args.concurrency:
             started.append(waiting.pop(0))
-            scheduler.add(started[-1])
-        scheduler.step()
+            engine.add(started[-1])
+        engine.step()
     seconds = time.perf_counter() - begin
     result = {
         "machine": describe(),

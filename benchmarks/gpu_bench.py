@@ -22,17 +22,19 @@ from pathlib import Path
 import torch
 
 from redline.config import ModelConfig
-from redline.engine.kv_cache import BLOCK
-from redline.engine.runner import ModelRunner
-from redline.kernels.select import pdl_supported, prefill_tiles, triton_by_default
-from redline.layers.reduced_attention import sdpa_attention
-from redline.models.eagle3 import Eagle3Draft, draft_config_for
+from redline.kernels import HAS_TRITON
+from redline.kernels.attention_core import sdpa_attention
+from redline.kernels.paged_kv import BLOCK
+from redline.layers.backends import Backends, prefill_tiles
+from redline.models.eagle3 import Eagle3Draft, default_aux_layers, draft_config_for
 from redline.models.llama import LlamaForCausalLM
-from redline.models.random_init import llama3_config, normal_init
-from redline.quant.convert import HIGH_PRECISION, to_fp8
+from redline.models.quantize import HIGH_PRECISION, to_fp8
 from redline.quant.fp8 import scaled_mm_available
 from redline.quant.scheme import Fp8Scheme
-from redline.sampling import SamplingParams
+from redline.runner.model_runner import ModelRunner
+from redline.runner.one_slot import fill_slot, release_slot
+from redline.runner.plan import Shapes
+from redline.train.random_init import llama3_config, normal_init
 
 SHAPES = {
     "8b": dict(
@@ -61,12 +63,37 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def random_pair(
+    config: ModelConfig, device: torch.device, pdl: bool = False, fp8: bool = False
+) -> tuple[LlamaForCausalLM, Eagle3Draft]:
+    """Target and EAGLE-3 draft with N(0, 0.02) weights, built on the device with the kernels the engine
+    would choose there (with pdl: programmatic dependent launch; fp8: FP8 decoder linears)."""
+    backends = Backends.choose(device, torch.bfloat16, compiled=False, pdl=pdl, fp8_weights=fp8)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config, backends=backends, aux_layers=default_aux_layers(config.num_layers))
+        model = model.to(torch.bfloat16)
+        embedding = model.model.embed_tokens
+        draft = Eagle3Draft(draft_config_for(config), backends=backends, target_embedding=embedding)
+        draft = draft.to(torch.bfloat16)
+    normal_init(model)
+    normal_init(draft)
+    if fp8:
+        with torch.no_grad():
+            to_fp8(model, Fp8Scheme(tuple(HIGH_PRECISION)), scaled_mm_available(device))
+    model.finish_loading()
+    draft.midlayer.mlp.fuse_gate_up()
+    model.model.rotary.materialize(device)
+    draft.rotary.materialize(device)
+    return model.eval().requires_grad_(False), draft.eval().requires_grad_(False)
+
+
+@torch.inference_mode()
 def time_step(runner: ModelRunner, graphed: bool, steps: int) -> float:
     """Seconds per decode step of slot 0 (prefilled with PROMPT tokens), the graph or the eager step."""
-    assert runner.reserve(0, runner.cache_len)  # KV blocks for the slot's whole context
-    runner.prefill(0, list(range(5, 5 + PROMPT)), SamplingParams(), seed=0)
-    kv_len = runner.kv_len_for(PROMPT + steps * (runner.k + 1))
-    run = runner._run_step if graphed else runner.step
+    fill_slot(runner, list(range(5, 5 + PROMPT)))
+    kv_len = runner.shapes.kv_len_for(PROMPT + steps * (runner.shapes.k + 1))
+    run = runner.run_step if graphed else runner.step
     for _ in range(3):
         run(1, kv_len, False)
     sync(runner.device)
@@ -74,7 +101,7 @@ def time_step(runner: ModelRunner, graphed: bool, steps: int) -> float:
     for _ in range(steps):
         run(1, kv_len, False)
     sync(runner.device)
-    runner.release(0)
+    release_slot(runner)
     return (time.perf_counter() - start) / steps
 
 
@@ -97,7 +124,7 @@ def prefill_attention_bench(config: ModelConfig, device: torch.device) -> dict:
     k_cache, v_cache = (
         torch.randn(2, 1, config.num_kv_heads, kv_len + BLOCK, d, device=device).bfloat16().unbind(0)
     )
-    # the same keys and values in blocks of 16 (engine/kv_cache.py) for the kernel: block j holds
+    # the same keys and values in blocks of 16 (kernels/paged_kv.py) for the kernel: block j holds
     # positions 16 j .. 16 j + 15, the table lists them in order
     blocks = [c[0].unflatten(1, (-1, BLOCK)).transpose(0, 1).contiguous() for c in (k_cache, v_cache)]
     tables = torch.arange(blocks[0].shape[0], device=device, dtype=torch.int32)[None]
@@ -116,7 +143,7 @@ def prefill_attention_bench(config: ModelConfig, device: torch.device) -> dict:
     result["sdpa_ms"], result["sdpa_tflops"] = sdpa_s * 1e3, flops / sdpa_s / 1e12
     if device.type == "cuda":
         result["sdpa_peak_extra_gb"] = (torch.cuda.max_memory_allocated() - base) / 1e9
-    if triton_by_default(device):
+    if device.type == "cuda" and HAS_TRITON:
         from redline.kernels.prefill_attention import prefill_attention
 
         tiles = prefill_tiles(torch.bfloat16)
@@ -132,10 +159,9 @@ def prefill_attention_bench(config: ModelConfig, device: torch.device) -> dict:
 
 def long_prefill_bench(model: LlamaForCausalLM, device: torch.device) -> dict:
     """A 4,000-token prompt through the whole model (eager, the runner's kernels): time to first token."""
-    runner = ModelRunner(model, 1, LONG_PROMPT + 64, cuda_graphs=False)
+    runner = ModelRunner(model, Shapes(1, LONG_PROMPT + 64, 0), cuda_graphs=False)
     prompt = [5 + i % (model.config.vocab_size - 5) for i in range(LONG_PROMPT)]
-    assert runner.reserve(0, runner.cache_len)  # KV blocks for the slot's whole context
-    seconds = seconds_per_call(lambda: runner.prefill(0, prompt, SamplingParams(), seed=0), device, repeats=2)
+    seconds = seconds_per_call(lambda: fill_slot(runner, prompt), device, repeats=2)
     result = {"tokens": LONG_PROMPT, "ms": seconds * 1e3, "tokens_per_s": LONG_PROMPT / seconds}
     print(f"prefill {LONG_PROMPT} tokens through the model: {json.dumps(result)}")
     return result
@@ -151,16 +177,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     config = ModelConfig.from_dict(llama3_config(**SHAPES[args.shape]))
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
-        draft = Eagle3Draft(draft_config_for(config)).to(torch.bfloat16)
-    normal_init(model)
-    normal_init(draft)
-    model.tie_weights()
-    model.model.rotary.materialize(device)
-    draft.attach(model)
-    draft.rotary.materialize(device)
+    model, draft = random_pair(config, device)
     max_len = PROMPT + args.steps * 4 + 64
     graphs = device.type == "cuda"
     results = []
@@ -168,38 +185,30 @@ def main() -> None:
     def record(name: str, runner: ModelRunner, graphed: bool, bytes_per_step: int) -> None:
         seconds = time_step(runner, graphed, args.steps)
         gbps = bytes_per_step / seconds / 1e9
-        results.append(
-            {
-                "name": name,
-                "ms_per_step": seconds * 1e3,
-                "weight_gb_per_s": gbps,
-                "roofline_fraction": gbps / args.peak_gbps,
-            }
-        )
         share = gbps / args.peak_gbps
+        results.append({"name": name, "ms_per_step": seconds * 1e3, "weight_gb_per_s": gbps,
+                        "roofline_fraction": share})  # fmt: skip
         print(f"{name:<28}{seconds * 1e3:>9.3f} ms/step{gbps:>9.1f} GB/s{share:>8.1%} of roofline")
 
     bf16_bytes = weight_bytes(model)
-    plain = ModelRunner(model, 1, max_len)
+    plain = ModelRunner(model, Shapes(1, max_len, 0))
     record("bf16 plain eager", plain, False, bf16_bytes)
     if graphs:
         record("bf16 plain cuda-graph", plain, True, bf16_bytes)
-    if pdl_supported(device):
-        record("bf16 plain cuda-graph pdl", ModelRunner(model, 1, max_len, pdl=True), True, bf16_bytes)
-    spec = ModelRunner(model, 1, max_len, draft, 3)
+    spec = ModelRunner(model, Shapes(1, max_len, 3), draft)
     record("bf16 eagle3 K=3 step", spec, graphs, bf16_bytes)
     del plain, spec
     prefill_attention = prefill_attention_bench(config, device)
     long_prefill = long_prefill_bench(model, device)
-    with torch.no_grad():
-        to_fp8(model, Fp8Scheme(tuple(HIGH_PRECISION)), scaled_mm_available(device))
+    del model, draft
+    if graphs and torch.cuda.get_device_capability(device) >= (9, 0):  # PDL: Hopper or newer
+        model, _ = random_pair(config, device, pdl=True)
+        record("bf16 plain cuda-graph pdl", ModelRunner(model, Shapes(1, max_len, 0)), True, bf16_bytes)
+        del model
+    model, _ = random_pair(config, device, fp8=True)
     fp8_bytes = weight_bytes(model)
-    record(
-        "fp8 plain" + (" cuda-graph" if graphs else " eager"),
-        ModelRunner(model, 1, max_len),
-        graphs,
-        fp8_bytes,
-    )
+    record("fp8 plain" + (" cuda-graph" if graphs else " eager"), ModelRunner(model, Shapes(1, max_len, 0)),
+           graphs, fp8_bytes)  # fmt: skip
     by_name = {r["name"]: r["ms_per_step"] for r in results}
     summary = {
         "device": torch.cuda.get_device_name() if graphs else "cpu",

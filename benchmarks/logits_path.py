@@ -1,7 +1,7 @@
 """What logprobs and penalties cost in the decode step, on the real SmolLM2 pair (eager, fp32, CPU).
 
 A step takes the argmax path when every row is greedy without penalties or logprobs, else the logits
-path (spec/step.py): logits, penalties (penalties.py), filters, rejection sampling and the packed
+path (speculative/step.py): logits, penalties (penalties.py), filters, rejection sampling and the packed
 log-probabilities (logprobs.py). Every sampled request pays for the penalty and log-probability work
 whether it asks for them or not (one graph per (rows, path), not four). This script measures:
 
@@ -64,16 +64,17 @@ def step_times(steps: int) -> dict[str, float]:
     for name, params in CONFIGS.items():
         llm = LLM(target, dtype="float32", draft=draft, num_draft_tokens=K, max_batch=SLOTS, max_seq_len=4096,
                   compile=False, progress=False)  # fmt: skip
-        for _ in range(SLOTS):
-            llm.scheduler.add(llm.make_request(prompt, params))
-        while any(r.prefill_ids is not None for r in llm.scheduler.running.values()) or llm.scheduler.waiting:
-            llm.scheduler.step()
+        requests = [llm.make_request(prompt, params) for _ in range(SLOTS)]
+        for request in requests:
+            llm.engine.add(request)
+        while not all(r.output_ids for r in requests):  # every prompt prefilled: all slots decode
+            llm.engine.step()
         engines[name] = llm
     times: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(steps):
         for name, llm in engines.items():
             start = time.perf_counter()
-            llm.scheduler.step()
+            llm.engine.step()
             times[name].append(1000 * (time.perf_counter() - start))
     return {name: statistics.median(t) for name, t in times.items()}
 

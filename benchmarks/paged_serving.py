@@ -190,7 +190,7 @@ def kv_bytes(model: Path, draft: Path) -> dict:
               compile=False, progress=False)  # fmt: skip
     runner = llm.runner
     target = runner.cache.nbytes // (runner.cache.layers[0][0].shape[0] * 16)
-    drafted = runner.draft_cache.nbytes // (runner.draft_cache.layers[0][0].shape[0] * 16)
+    drafted = runner.slots.draft_cache.nbytes // (runner.slots.draft_cache.layers[0][0].shape[0] * 16)
     return {"target_per_position": target, "draft_per_position": drafted, "per_position": target + drafted,
             "block_bytes": runner.block_bytes}  # fmt: skip
 

@@ -2,7 +2,7 @@
 
 `LLM(compile=True)` (and `redline serve --compile`) compiles the prefill (one graph, dynamic prompt length)
 and the decode step for every (batch bucket, sampling) pair (kv_len is a dynamic dimension), running each
-once (ModelRunner.warm_up_step_keys). This script times that warm-up for the configuration the issue
+once (runner/warm_up.step_keys_to_run). This script times that warm-up for the configuration the issue
 names, 16 slots x 4,096 tokens, on a random Llama 3 (hidden 512, intermediate 1408, 8 layers, 8 heads,
 8 kv heads, vocabulary 8,000: the decode_baseline.py shape) with a random EAGLE-3 draft (K = 3), in a fresh
 process per run: first with an empty inductor cache (a first start), then again on the cache that run left
@@ -30,7 +30,7 @@ SHAPE = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_a
 
 
 def build(root: Path) -> tuple[Path, Path]:
-    from redline.models.random_init import write_random_draft, write_random_model
+    from redline.train.random_init import write_random_draft, write_random_model
 
     target = write_random_model(root / "target", vocab_size=8000, **SHAPE)
     return target, write_random_draft(target, root / "draft")
@@ -52,12 +52,13 @@ def one_start(target: str, draft: str, slots: int, context: int, dtype: str) -> 
     import torch._dynamo.utils
 
     from redline import LLM
+    from redline.runner.warm_up import step_keys_to_run
 
     draft_dir = None if draft == "-" else draft
     llm = LLM(target, dtype=dtype, max_batch=slots, max_seq_len=context, draft=draft_dir, compile=True)
     return {
         "warmup_s": round(llm.warmup_s, 1),
-        "step_keys_run": len(llm.runner.warm_up_step_keys()),
+        "step_keys_run": len(step_keys_to_run(llm.runner)),
         "graphs_compiled": torch._dynamo.utils.counters["stats"]["unique_graphs"],
     }
 

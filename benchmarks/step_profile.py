@@ -11,7 +11,7 @@ the decoder layer's kernel x 30 against the rest of the step; compiles anew). Ro
 per step (every parameter; the tied table counts once, as the head reads it whole) / the read
 bandwidth measured in the same run.
 
-`--startup` instead times `LLM(gguf)` with its defaults (8 slots, 4,096 tokens) in fresh processes: first
+`--startup` instead times `LLM(gguf)` with its defaults (4 slots, 4,096 tokens) in fresh processes: first
 with an empty inductor cache, then again on the cache that run left (a second process).
 
     .venv/bin/python benchmarks/step_profile.py [--steps 40] [--threads 2] [--kernels] [--eager]
@@ -35,12 +35,14 @@ import torch._inductor.config
 from torch.profiler import ProfilerActivity, profile
 
 from redline.benchmark.machine import busy_cores, cpu_model, read_bandwidth_gbps
-from redline.engine.runner import ModelRunner
-from redline.models.build import load_target
-from redline.models.eagle3 import load_draft
+from redline.engine_config import EngineConfig
 from redline.models.gguf import gguf_model_dir, smollm2_gguf
-from redline.models.random_init import write_random_draft
-from redline.sampling import SamplingParams
+from redline.parallel.group import SINGLE
+from redline.runner.build import build_runner
+from redline.runner.model_runner import ModelRunner
+from redline.runner.one_slot import fill_slot
+from redline.runner.warm_up import needs_warm_up, warm_up
+from redline.train.random_init import write_random_draft
 
 PROMPT_LEN = 100
 
@@ -49,36 +51,41 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.nbytes for p in model.parameters())  # parameters() yields a tied tensor once
 
 
-def build_runner(
-    target_dir: Path, draft_dir: Path | None, k: int, compile: bool, max_len: int
-) -> ModelRunner:
-    target = load_target(target_dir, torch.bfloat16)
-    draft = None if draft_dir is None else load_draft(draft_dir, target, torch.bfloat16)
-    return ModelRunner(target, 1, max_len, draft, max(k, 1), compile=compile)
+def make_runner(target_dir: Path, draft_dir: Path | None, k: int, compile: bool, max_len: int) -> ModelRunner:
+    """One slot, built as the engine builds it (the kernels chosen for the compile mode)."""
+    drafting = {"draft": draft_dir, "num_speculative_tokens": k} if draft_dir is not None else {}
+    config = EngineConfig.create(target_dir, dtype="bfloat16", max_num_seqs=1, max_model_len=max_len,
+                                 compile=compile, **drafting)  # fmt: skip
+    return build_runner(config, SINGLE)
+
+
+@torch.inference_mode()  # as warm-up compiled it (a step outside it would recompile, which raises)
+def step(runner: ModelRunner, last: int) -> int:
+    """One greedy step of slot 0, its pending token at `last`; returns the next step's position."""
+    out = runner.run_step(1, runner.shapes.kv_len_for(last), False)
+    return last + int(out[0, runner.shapes.k + 1]) + 1  # n_acc + 1 tokens emitted
 
 
 def timed_steps(runners: dict[str, ModelRunner], steps: int, last: dict[str, int]) -> dict[str, list[float]]:
-    """Prefills one prompt per runner, then times `steps` decode calls of each, interleaved; `last` keeps
+    """Prefills one prompt per runner, then times `steps` decode steps of each, interleaved; `last` keeps
     each runner's last position."""
     prompt = torch.randint(5, 40_000, (PROMPT_LEN,), generator=torch.Generator().manual_seed(0)).tolist()
     for name, runner in runners.items():
-        assert runner.reserve(0, runner.cache_len)  # KV blocks for the slot's whole context
-        runner.prefill(0, prompt, SamplingParams(), seed=0)
+        fill_slot(runner, prompt)
         last[name] = PROMPT_LEN
     times: dict[str, list[float]] = {name: [] for name in runners}
     for _ in range(steps):
         for name, runner in runners.items():
             start = time.perf_counter()
-            out = runner.decode(1, last[name])
+            last[name] = step(runner, last[name])
             times[name].append(time.perf_counter() - start)
-            last[name] += out.tokens[0][-1] + 1  # n_acc + 1 tokens emitted
     return times
 
 
 def profile_table(runner: ModelRunner, last: int, rows: int) -> str:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(10):
-            last += runner.decode(1, last).tokens[0][-1] + 1
+            last = step(runner, last)
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
@@ -133,10 +140,10 @@ def main() -> None:
         draft_dir = write_random_draft(target_dir, Path(tmp) / "draft", draft_vocab=8192)
         runners = {}
         for name, k in (("plain", 0), ("K=3", 3)):
-            runner = build_runner(target_dir, draft_dir if k else None, k, not args.eager, max_len)
+            runner = make_runner(target_dir, draft_dir if k else None, k, not args.eager, max_len)
             start = time.perf_counter()
-            if runner.needs_warm_up:
-                runner.warm_up(progress=False)
+            if needs_warm_up(runner):
+                warm_up(runner, progress=False)
             print(f"{name}: warm-up {time.perf_counter() - start:.1f} s", flush=True)
             runners[name] = runner
         busy = busy_cores()

@@ -7,7 +7,8 @@ almost always: the step time is what it measures, not the speed-up), batch 1, ea
 - the decode step time: acceptance length / tokens per second per user (tokens/s alone for plain);
 - the share of rank 0's generate time spent in the all-reduces (TensorParallel.all_reduce wrapped with
   a timer in rank 0's process: waiting for the other rank included), and their count per step;
-- the draft's share (spec.step.propose timed): what sharding the draft could save;
+- the draft's share (its proposals, speculative.propose.propose, timed): what sharding the draft could
+  save;
 - peak resident memory of rank 0's process and of rank 1's (ru_maxrss, torch's own ~0.3 GB included),
   and the bytes of rank 0's weights;
 - an all-reduce alone: 2 processes x 1 thread in a loop of gloo all-reduces of one step's activations
@@ -50,7 +51,7 @@ def llama4_config(vocab: int) -> dict:
 
 def build_models(root: Path) -> dict[str, Path]:
     """The two targets (one tokenizer) and a random draft for each."""
-    from redline.models.random_init import write_random_checkpoint, write_random_draft, write_random_model
+    from redline.train.random_init import write_random_checkpoint, write_random_draft, write_random_model
 
     llama3 = write_random_model(
         root / "llama3", vocab_size=8000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
@@ -69,7 +70,7 @@ def build_models(root: Path) -> dict[str, Path]:
 
 def child(spec: dict) -> dict:
     """One configuration in this fresh process; returns its measurements."""
-    import redline.spec.step as step_module
+    import redline.speculative.emit as emit_module
     from redline import LLM, SamplingParams
     from redline.parallel.group import TensorParallel
 
@@ -87,12 +88,12 @@ def child(spec: dict) -> dict:
         return wrapper
 
     TensorParallel.all_reduce = timed("all_reduce", TensorParallel.all_reduce)
-    step_module.propose = timed("propose", step_module.propose)
+    emit_module.propose = timed("propose", emit_module.propose)  # as the emitter calls it
     draft = spec["draft"]
     max_len = spec["prompt_len"] + spec["max_tokens"] + 8
+    drafting = {"draft": draft, "num_draft_tokens": 3} if draft else {}
     llm = LLM(spec["model"], dtype=spec["dtype"], max_batch=1, max_seq_len=max_len, compile=False,
-              tensor_parallel_size=spec["tp"], draft=draft, num_draft_tokens=3 if draft else None,
-              progress=False)  # fmt: skip
+              tensor_parallel_size=spec["tp"], progress=False, **drafting)  # fmt: skip
     weight_bytes = sum(p.nbytes for p in llm.model.parameters())
     prompt = torch.randint(5, 8000, (spec["prompt_len"],), generator=torch.Generator().manual_seed(1))
     params = SamplingParams(max_tokens=spec["max_tokens"], ignore_eos=True)

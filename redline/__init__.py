@@ -1,8 +1,8 @@
 """redline: low-latency LLM inference for Llama 3.x and Llama 4 checkpoints."""
 
 from redline.engine.llm import LLM
-from redline.engine.request import Completion
+from redline.engine.request import Completion, GenerationError
 from redline.sampling import SamplingParams
 
-__all__ = ["LLM", "Completion", "SamplingParams"]
+__all__ = ["LLM", "Completion", "GenerationError", "SamplingParams"]
 __version__ = "0.1.0"

@@ -154,9 +154,11 @@ def run_demo(
     float32: a K + 1-row verify rounds like the one-row step, so greedy texts are identical; in bf16 they
     part at near-ties (5 of 8 ShareGPT answers within 128 tokens, BENCHMARKS.md)."""
     target, draft = demo_pair()
-    common = dict(dtype=dtype, max_batch=1, max_seq_len=MAX_PROMPT_TOKENS + max_tokens + 8, compile=compile)
+    common = dict(
+        dtype=dtype, max_num_seqs=1, max_model_len=MAX_PROMPT_TOKENS + max_tokens + 8, compile=compile
+    )
     plain, plain_warm = timed_llm(target, **common)
-    spec, spec_warm = timed_llm(target, draft=draft, num_draft_tokens=k, **common)
+    spec, spec_warm = timed_llm(target, draft=draft, num_speculative_tokens=k, **common)
     params = SamplingParams(max_tokens=max_tokens)
     runs: dict[str, list[tuple[Completion, Completion]]] = {}
     for i, p in enumerate(demo_prompts(plain.tokenizer, num_prompts)):

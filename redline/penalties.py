@@ -1,7 +1,7 @@
 """Presence, frequency and repetition penalties on the device, per slot, as vLLM and HF apply them.
 
 Each slot keeps counts [V] of the tokens its request has generated and a mask seen [V] of its prompt's
-tokens (engine/runner.py sets them when the request is admitted; every step with the logits path adds its
+tokens (runner/slots.py sets them when the request is admitted; every step with the logits path adds its
 emitted tokens). A logit l of token t becomes
 
     l' = (l / r if l > 0 else l * r)  if t is in the prompt or was generated   (repetition r)
@@ -42,6 +42,8 @@ def counts_after_drafts(counts: torch.Tensor, drafts: torch.Tensor) -> torch.Ten
     The scatter adds draft i into every row j > i (mask[j, i] = i < j).
     """
     b, k = drafts.shape
+    if k == 0:  # plain decoding, a prefill's first token
+        return counts[:, None]
     out = counts[:, None].expand(b, k + 1, counts.shape[-1]).clone()
     rows = torch.arange(k + 1, device=drafts.device)[:, None]
     mask = (torch.arange(k, device=drafts.device) < rows).to(out.dtype)  # [K + 1, K]

@@ -89,7 +89,7 @@ def before(url) -> dict:
 @pytest.fixture(scope="module")
 def api_schema(server):
     doc = openapi_schema(model=MODEL, max_model_len=server.llm.max_seq_len,
-                         vocab_size=server.llm.config.vocab_size)  # fmt: skip
+                         vocab_size=server.llm.model_config.vocab_size)  # fmt: skip
     schemas = doc["components"]["schemas"]
     for name in REQUESTS:
         schemas[name] = capped(schemas[name])

@@ -83,14 +83,14 @@ def test_a_request_the_server_fails_is_counted_not_fatal(served, trained, tmp_pa
     tokenizer = Tokenizer.from_dir(trained / "target")
     doomed = tokenizer.encode_chat(list(sharegpt_requests(tokenizer, 5, 8, CONTEXT, True)[2].prompt))
     runner = server.llm.runner
-    prefill = runner.prefill_batch
+    prefill = runner.prefill.run
 
-    def failing(chunks):  # the third request's prefill raises (after its 200 status line)
-        if any(chunk.tokens == doomed for chunk in chunks):
-            raise RuntimeError("injected prefill failure")
-        return prefill(chunks)
+    def failing(batch):  # the third request's prefill raises (after its 200 status line)
+        if any(c.end == len(doomed) and c.tokens == tuple(doomed[c.start :]) for c in batch.chunks):
+            raise RuntimeError("injected prefill failure")  # (its start may come from the prefix cache)
+        return prefill(batch)
 
-    monkeypatch.setattr(runner, "prefill_batch", failing)
+    monkeypatch.setattr(runner.prefill, "run", failing)
     result = bench(
         url,
         trained / "target",

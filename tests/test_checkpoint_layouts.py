@@ -26,17 +26,18 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import load_file, save_file
 
 from redline.config import ModelConfig
-from redline.engine.kv_cache import KVCache
 from redline.layers.linear import Linear
 from redline.models.build import load_target, module_key_to_checkpoint_key
-from redline.models.eagle3 import default_aux_layers, load_draft
+from redline.models.eagle3 import aux_layers_of, default_aux_layers, load_draft
+from redline.models.fp8_checkpoint import quantize_checkpoint
+from redline.models.kv_cache import KVCache
 from redline.models.loader import CheckpointError, checkpoint_files
-from redline.models.random_init import write_random_draft
-from redline.quant.checkpoint import quantize_checkpoint
 from redline.quant.fp8 import FP8, FP8_MAX, Fp8Linear
 from redline.quant.fp8_experts import Fp8Experts
 from redline.quant.scheme import Fp8Scheme
-from redline.spec.draft_loop import propose
+from redline.sampling import SamplingTensors
+from redline.speculative.propose import DraftInputs, propose
+from redline.train.random_init import write_random_draft
 
 BF16 = torch.bfloat16
 
@@ -109,10 +110,11 @@ def draft_tokens(target, draft, tokens: torch.Tensor, k: int = 3) -> torch.Tenso
     with torch.no_grad():
         _, aux = target(tokens, positions)
         row = torch.tensor([tokens.shape[1] - 2])
-        proposed, _ = propose(
-            draft, aux[:, :-1], tokens[:, 1:], positions[:, :-1], row, k, kv.layers[0], kv.tables(0, 1), 64,
-            None, False,
-        )  # fmt: skip
+        first_row = torch.zeros_like(row)
+        inputs = DraftInputs(aux[:, :-1], tokens[:, 1:], positions[:, :-1], first_row, kv.layers[0],
+                             kv.tables(0, 1), 64)  # fmt: skip
+        greedy = SamplingTensors.zeros(1, torch.device("cpu"))
+        proposed, _ = propose(draft, inputs, tokens[:, 1:], row, k, greedy, any_sampling=False)
     return proposed
 
 
@@ -130,7 +132,7 @@ def test_bin_draft_proposes_what_the_safetensors_draft_does(llama3_target, tmp_p
     torch.save(state, dirs["bin"] / "pytorch_model.bin")
     save_file(state, dirs["safetensors"] / "model.safetensors")
 
-    target = load_target(model_dir, torch.float32)
+    target = load_target(model_dir, torch.float32, aux_layers=aux_layers_of(dirs["bin"], 6))
     drafts = {name: load_draft(path, target, torch.float32) for name, path in dirs.items()}
     assert target.aux_layers == default_aux_layers(6)
     a, b = drafts["bin"].state_dict(), drafts["safetensors"].state_dict()
@@ -591,7 +593,7 @@ import json, sys
 import torch
 from redline.config import ModelConfig
 from redline.models.build import load_target, module_key_to_checkpoint_key
-from redline.quant.checkpoint import quantize_checkpoint
+from redline.models.fp8_checkpoint import quantize_checkpoint
 
 def kib(field):
     for line in open("/proc/self/status"):

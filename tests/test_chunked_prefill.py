@@ -18,23 +18,29 @@ from conftest import (
 
 from redline import LLM, SamplingParams
 from redline.data import sharegpt
-from redline.engine.prefill import PrefillChunk, PrefillResult
 from redline.models.gguf import gguf_model_dir, smollm2_gguf
-from redline.models.random_init import write_random_draft
+from redline.runner.plan import PrefillChunk, StepPlan, StepResult
+from redline.train.random_init import write_random_draft
 
 KW = dict(dtype="float32", max_seq_len=512, compile=False, progress=False)
 
 
-def _recording(llm: LLM) -> list[list[PrefillChunk]]:
-    """Every prefill forward's chunks, as the runner runs them."""
-    forwards, prefill = [], llm.runner.prefill_batch
+def _recording(llm: LLM) -> list[tuple[PrefillChunk, ...]]:
+    """Every prefill forward's chunks, as the engine's plans give them to the runner."""
+    forwards, execute = [], llm.executor.execute
 
-    def recorded(chunks: list[PrefillChunk]) -> list[PrefillResult]:
-        forwards.append(chunks)
-        return prefill(chunks)
+    def recorded(plan: StepPlan) -> StepResult:
+        if plan.prefill is not None:
+            forwards.append(plan.prefill.chunks)
+        return execute(plan)
 
-    llm.runner.prefill_batch = recorded
+    llm.executor.execute = recorded
     return forwards
+
+
+def _of(prompt: list[int], chunk: PrefillChunk) -> bool:
+    """Whether the chunk is a piece of `prompt`."""
+    return list(chunk.tokens) == prompt[chunk.start : chunk.end]
 
 
 @pytest.mark.parametrize(
@@ -65,11 +71,11 @@ def test_chunked_and_batched_prefill_give_the_tokens_of_whole_prompts(tmp_path, 
             assert greedy_divergence_is_a_near_tie(chunked.model, prompt, c.token_ids, w)
         else:
             assert c.token_ids == w
-    first_prompt = [(c.start, c.end) for f in forwards for c in f if c.tokens == prompts[0]]
+    first_prompt = [(c.start, c.end) for f in forwards for c in f if _of(prompts[0], c)]
     assert first_prompt == [(0, 48), (48, 96), (96, 144), (144, 150)]
     assert max(len(f) for f in forwards) > 1  # the short prompts shared forwards
     for f in forwards:
-        padded = len(f) * -(-max(c.end - c.start for c in f) // 16) * 16
+        padded = len(f) * -(-max(len(c.tokens) for c in f) // 16) * 16
         assert padded <= 48 or len(f) == 1
 
 
@@ -81,7 +87,8 @@ def test_waiting_prompts_prefill_in_one_forward(tmp_path, tokenizer_dir):
     forwards = _recording(llm)
     prompts = [torch.randint(5, 384, (n,)).tolist() for n in (20, 40, 33, 27)]
     llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True))
-    assert [[(c.tokens, c.start, c.end) for c in f] for f in forwards] == [[(p, 0, len(p)) for p in prompts]]
+    whole = [[(p, 0, True) for p in prompts]]
+    assert [[(list(c.tokens), c.start, c.final) for c in f] for f in forwards] == whole
 
 
 def test_samples_of_one_prompt_share_its_prefill_and_block_no_one_else(tmp_path, tokenizer_dir):
@@ -99,15 +106,14 @@ def test_samples_of_one_prompt_share_its_prefill_and_block_no_one_else(tmp_path,
                             ((long, 1), (long, 2), (short, 3)))  # fmt: skip
     first.group = second.group = group
     for request in (first, second, other):
-        llm.scheduler.add(request)
-    llm.scheduler.step()
+        llm.engine.add(request)
+    llm.engine.step()
     assert second.slot is None and other.slot is not None  # the sibling waits; the unrelated prompt does not
-    while llm.scheduler.has_work:
-        llm.scheduler.step()
-    chunks = [(c.tokens, c.start) for f in forwards for c in f]
-    assert [start for tokens, start in chunks if tokens == long] == [0, 64, 128, 192, 192]  # second: 192 on
+    while llm.engine.has_work:
+        llm.engine.step()
+    assert [c.start for f in forwards for c in f if _of(long, c)] == [0, 64, 128, 192, 192]  # second: 192 on
     assert second.cached_tokens == 192 and first.cached_tokens == 0
-    assert llm.runner.prefilled_tokens == 200 + 8 + 10
+    assert llm.stats().prefilled_tokens == 200 + 8 + 10
     assert first.completion().token_ids != second.completion().token_ids  # seeds 1 and 2
 
 
@@ -116,25 +122,25 @@ def test_a_running_stream_receives_tokens_between_the_chunks_of_a_long_prompt(tm
     7 steps, and the stream receives tokens in every one of them."""
     target = save_hf_model(build_hf_model(llama3_hf_config(), seed=6), tmp_path / "t", tokenizer_dir)
     llm = LLM(target, max_batch=2, max_prefill_tokens=64, **KW)
-    scheduler = llm.scheduler
+    engine = llm.engine
     stream = llm.make_request(
         torch.randint(5, 384, (10,)).tolist(), SamplingParams(max_tokens=60, ignore_eos=True)
     )
-    scheduler.add(stream)
-    scheduler.step()
+    engine.add(stream)
+    engine.step()
     long = llm.make_request(
         torch.randint(5, 384, (400,)).tolist(), SamplingParams(max_tokens=5, ignore_eos=True)
     )
-    scheduler.add(long)
+    engine.add(long)
     steps_while_prefilling = 0
     while not long.output_ids:
         before = len(stream.output_ids)
-        scheduler.step()
+        engine.step()
         assert len(stream.output_ids) > before  # the stream got a token in this step
         steps_while_prefilling += 1
     assert steps_while_prefilling == 7  # 6 x 64 + 16
-    while scheduler.has_work:
-        scheduler.step()
+    while engine.has_work:
+        engine.step()
     assert len(long.output_ids) == 5 and len(stream.output_ids) == 60
 
 
@@ -159,4 +165,4 @@ def test_smollm2_long_prompts_chunked_and_from_the_prefix_cache_match_whole_cold
     for prompt, c, w in zip((first, second), got, want, strict=True):
         assert greedy_divergence_is_a_near_tie(hot.model, prompt, c.token_ids, w)
     assert got[1].cached_tokens == 2000 // 16 * 16
-    assert hot.runner.prefilled_tokens == 2500 + 2500 - got[1].cached_tokens
+    assert hot.stats().prefilled_tokens == 2500 + 2500 - got[1].cached_tokens

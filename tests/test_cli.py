@@ -87,7 +87,7 @@ def test_console_script_runs(model_dir):
 
 
 def test_generate_with_a_draft_prints_acceptance(model_dir, tmp_path, capsys):
-    from redline.models.random_init import write_random_draft
+    from redline.train.random_init import write_random_draft
 
     draft = write_random_draft(model_dir, tmp_path / "draft", draft_vocab=100)
     code = main(
@@ -124,7 +124,7 @@ def test_generate_with_a_draft_prints_acceptance(model_dir, tmp_path, capsys):
         )
         == 2
     )
-    assert "num_draft_tokens must be in 1..8" in capsys.readouterr().err
+    assert "num_speculative_tokens must be an integer in 1..8, got 9" in capsys.readouterr().err
 
 
 def test_bench_takes_prompts_from_a_held_out_set(model_dir, tmp_path):

@@ -16,7 +16,7 @@ from conftest import (
 
 from redline import LLM, SamplingParams
 from redline.engine.request import Request
-from redline.models.random_init import write_random_draft
+from redline.train.random_init import write_random_draft
 
 CONTEXT = 320
 
@@ -45,13 +45,13 @@ def test_a_run_through_every_bucket_compiles_nothing(llama3_pair):
     graphs_after_warm_up = unique_graphs()
     assert graphs_after_warm_up == 4 + 2  # (rows, sampling) for the step; prefill: one row, several rows
     visited = set()
-    step = runner._run_step
+    step = runner.run_step
 
     def recording_step(rows: int, kv_len: int, sampling: bool) -> torch.Tensor:
         visited.add((rows, kv_len, sampling))
         return step(rows, kv_len, sampling)
 
-    runner._run_step = recording_step
+    runner.run_step = recording_step
     long, short = torch.randint(5, 384, (20,)).tolist(), torch.randint(5, 384, (9,)).tolist()
     greedy = SamplingParams(max_tokens=CONTEXT - 20, ignore_eos=True)
     sampled = SamplingParams(
@@ -68,7 +68,7 @@ def test_a_run_through_every_bucket_compiles_nothing(llama3_pair):
         brief = SamplingParams(max_tokens=4, ignore_eos=True, temperature=params.temperature)
         outputs.append(llm.generate([long], params)[0])  # rows 1
         outputs.append(llm.generate([short, long], [brief, params])[1])  # slot 1 runs alone: rows 2
-    assert visited == set(runner.step_keys())
+    assert visited == set(runner.shapes.step_keys())
     assert unique_graphs() == graphs_after_warm_up
     assert all(len(c.token_ids) == CONTEXT - 20 for c in outputs)
     eager = LLM(target, **kw)
@@ -77,7 +77,7 @@ def test_a_run_through_every_bucket_compiles_nothing(llama3_pair):
         assert greedy_divergence_is_a_near_tie(eager.model, long, got.token_ids, want.token_ids)
     # the compiled step's packed log-probabilities are the eager model's, for the tokens it sampled
     sampled_run = outputs[2]
-    reference = eager.runner.log_probs(long + sampled_run.token_ids)  # [T - 1, V]
+    reference = eager.log_probs(long + sampled_run.token_ids)  # [T - 1, V]
     got = [e.logprob for e in sampled_run.logprobs]
     want_logprobs = [reference[len(long) + i - 1, t].item() for i, t in enumerate(sampled_run.token_ids)]
     assert got == pytest.approx(want_logprobs, abs=1e-4)
@@ -98,12 +98,18 @@ def test_compiled_llama4_runs_past_4096_tokens_without_compiling(tmp_path, token
     prompt = torch.randint(5, 384, (4080,)).tolist()
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     request = Request(prompt, params, llm.tokenizer, frozenset(), num_draft_tokens=3)
-    llm.scheduler.add(request)
-    kv_lens = set()
+    kv_lens, execute = set(), llm.executor.execute
+
+    def recording(plan):
+        if plan.decode is not None:
+            kv_lens.add(plan.decode.kv_len)
+        return execute(plan)
+
+    llm.executor.execute = recording
+    llm.engine.add(request)
     while not request.finished:
-        kv_lens.add(llm.runner.kv_len_for(request.position))
-        llm.scheduler.step()
-    assert kv_lens == {4096, llm.runner.cache_len}
+        llm.engine.step()
+    assert kv_lens == {4096, llm.runner.shapes.cache_len}
     assert unique_graphs() == graphs_after_warm_up
     [want] = LLM(target_dir, **kw).generate([prompt], params)
     assert greedy_divergence_is_a_near_tie(llm.model, prompt, request.output_ids, want.token_ids)

@@ -8,11 +8,13 @@ import torch._dynamo
 from conftest import llama3_hf_config
 
 from redline.config import ModelConfig
-from redline.engine.kv_cache import KVCache, gather_blocks
-from redline.engine.runner import ModelRunner
-from redline.kernels.select import select_cpu_paths
+from redline.engine_config import EngineConfig
+from redline.kernels.paged_kv import gather_blocks
+from redline.layers.backends import Backends
+from redline.models.kv_cache import KVCache
 from redline.models.llama import LlamaForCausalLM
-from redline.models.random_init import normal_init
+from redline.runner.build import compiles
+from redline.train.random_init import normal_init
 
 
 def test_the_layers_of_a_model_share_one_compiled_region():
@@ -20,9 +22,8 @@ def test_the_layers_of_a_model_share_one_compiled_region():
     one subgraph, the cache writes inside it landing in each layer's own cache."""
     raw = llama3_hf_config(num_hidden_layers=4).to_dict()
     config = ModelConfig.from_dict({**raw, "architectures": ["LlamaForCausalLM"]})
-    model = LlamaForCausalLM(config).eval()
+    model = LlamaForCausalLM(config, backends=Backends.choose("cpu", torch.float32, compiled=True)).eval()
     normal_init(model, std=0.1)
-    select_cpu_paths(model, compiled=True)
     assert model.layer_regions
     cache = KVCache(config, 1, 64, torch.float32, torch.device("cpu"))
     tokens, positions = torch.tensor([[5, 7]]), torch.tensor([[3, 4]])
@@ -51,12 +52,11 @@ def test_the_layers_of_a_model_share_one_compiled_region():
         assert key.abs().sum() > 0
 
 
-def test_runners_compile_on_cpu_unless_the_environment_says_not(monkeypatch, llama3_dir):
-    from redline.models.build import load_target
-
-    model = load_target(llama3_dir[0], torch.float32)
+def test_engines_compile_on_cpu_unless_the_environment_says_not(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
     monkeypatch.setenv("REDLINE_COMPILE", "1")
-    assert ModelRunner(model, 1, 64, compile=None).compiled_step is not None
+    assert compiles(EngineConfig.create("m"), cpu) and not compiles(EngineConfig.create("m"), cuda)
+    assert not compiles(EngineConfig.create("m", compile=False), cpu)
     monkeypatch.setenv("REDLINE_COMPILE", "0")
-    assert ModelRunner(model, 1, 64, compile=None).compiled_step is None
-    assert ModelRunner(model, 1, 64).compiled_step is None  # the runner itself defaults to eager
+    assert not compiles(EngineConfig.create("m"), cpu)
+    assert compiles(EngineConfig.create("m", compile=True), cpu)

@@ -11,22 +11,24 @@ import torch.nn.functional as F
 from conftest import llama4_hf_config
 
 from redline.config import ModelConfig
-from redline.engine.compiled_prefill import CompiledPrefill, padded_prompt_len, warm_up_shapes
-from redline.engine.kv_cache import KVCache, gather_blocks
+from redline.kernels.paged_kv import gather_blocks
+from redline.models.kv_cache import KVCache
 from redline.models.llama import LlamaForCausalLM
-from redline.models.random_init import normal_init
+from redline.runner.compiled_prefill import CompiledPrefill, prefill_shapes
+from redline.runner.plan import padded_len as padded_prompt_len
+from redline.train.random_init import normal_init
 
 
 def test_prompt_lengths_pad_to_multiples_of_16_capped_by_the_cache():
     assert [padded_prompt_len(n, 1024) for n in (1, 16, 17, 20, 33, 64, 65)] == [16, 16, 32, 32, 48, 64, 80]
     assert padded_prompt_len(90, 100) == 96 and padded_prompt_len(99, 100) == 100
-    assert warm_up_shapes(4097) == [(1, 16), (1, 32), (2, 16), (2, 32)]
-    assert warm_up_shapes(20) == [(1, 16), (1, 20), (2, 16), (2, 20)]
+    assert prefill_shapes(4097) == [(1, 16), (1, 32), (2, 16), (2, 32)]
+    assert prefill_shapes(20) == [(1, 16), (1, 20), (2, 16), (2, 20)]
 
 
 def test_warm_up_visits_both_sides_of_every_token_count_branch():
     # Maverick: 128 experts, top-1: one row of 128 and 144 tokens, two rows of 64 and 80
-    assert warm_up_shapes(4097, {128}) == [
+    assert prefill_shapes(4097, {128}) == [
         (1, 16),
         (1, 32),
         (1, 128),
@@ -37,7 +39,7 @@ def test_warm_up_visits_both_sides_of_every_token_count_branch():
         (2, 80),
     ]
     # 40 -> 32 and 48 for one row, 16 and 32 for two; nothing pads to <= 8 tokens
-    assert warm_up_shapes(4097, {40, 8}) == [(1, 16), (1, 32), (1, 48), (2, 16), (2, 32)]
+    assert prefill_shapes(4097, {40, 8}) == [(1, 16), (1, 32), (1, 48), (2, 16), (2, 32)]
 
 
 def _padded(tokens: torch.Tensor) -> torch.Tensor:  # [B, n] -> [B, L], L = n rounded up to 16
@@ -57,7 +59,7 @@ def test_a_shape_the_warm_up_did_not_compile_runs_eagerly_with_the_same_result()
     torch._dynamo.reset()
     cache = KVCache(config, 1, 64, torch.float32, torch.device("cpu"))
     eager_cache = KVCache(config, 1, 64, torch.float32, torch.device("cpu"))
-    prefill = CompiledPrefill(model, cache)
+    prefill = CompiledPrefill(model, cache, graphs=2)
     prefill(torch.zeros(1, 16, dtype=torch.int64), torch.arange(16)[None], cache.tables(0, 1), 16)
     prefill.freeze()
     tokens = _padded(torch.randint(0, config.vocab_size, (1, 40)))
@@ -73,9 +75,8 @@ def llama4_model() -> LlamaForCausalLM:
     """Llama 4 layers (MoE, chunked attention of 24, NoPE + temperature tuning) with EAGLE-3 aux states."""
     raw = llama4_hf_config(num_local_experts=8).to_dict()
     config = ModelConfig.from_dict({**raw, "architectures": ["Llama4ForCausalLM"]})
-    model = LlamaForCausalLM(config).eval()
+    model = LlamaForCausalLM(config, aux_layers=(1, 2, 4)).eval()
     normal_init(model, std=0.1)
-    model.aux_layers = (1, 2, 4)
     return model
 
 
@@ -90,7 +91,7 @@ def test_compiled_prefill_equals_eager_for_every_batch_chunk_and_slot_from_two_g
     slots, cache_len = 4, 4200
     compiled_cache = KVCache(config, slots, cache_len, torch.float32, torch.device("cpu"))
     eager_cache = KVCache(config, slots, cache_len, torch.float32, torch.device("cpu"))
-    prefill = CompiledPrefill(model, compiled_cache)
+    prefill = CompiledPrefill(model, compiled_cache, graphs=2)
     # (slots, start, length): 20 tokens compile one row, two rows compile the other graph; then chunks
     # at offsets (29 crossing a chunk of 24), 3 rows, and a 4,150-token prompt (173 chunks; past the
     # 4,096 elements at which inductor once split a backed dimension's reductions) reuse them

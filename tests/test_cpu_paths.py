@@ -9,10 +9,10 @@ import torch._dynamo
 import torch._dynamo.utils
 import torch.nn.functional as F
 
-from redline.engine.compiled_step import CompiledStep
-from redline.layers import linear
-from redline.layers.linear import FEW_ROWS, Linear, faster_fp32_product, streamed_rows, weight_times_xt
-from redline.layers.reduced_attention import attention_by_reductions, sdpa_attention
+from redline.kernels.attention_core import attention_by_reductions, sdpa_attention
+from redline.layers.backends import TORCH, Backends
+from redline.layers.linear import FEW_ROWS, Linear, streamed_rows, weight_times_xt
+from redline.runner.compiled_step import CompiledStep
 
 # K = 64..512 fp32 products summed in another order differ by a few ulp; bf16 outputs are rounded to an
 # 8-bit mantissa (relative 2^-8 ~ 4e-3), so two correct orders may land one bf16 step apart
@@ -50,26 +50,27 @@ def test_attention_by_reductions_compiled_equals_sdpa(dtype, b, t, hq, hkv, s, c
     torch.testing.assert_close(got.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
-def test_select_cpu_paths_by_dtype_and_compile():
-    from redline.kernels.select import select_cpu_paths
+def test_cpu_backends_by_dtype_compile_and_the_cpus_vector_width(monkeypatch):
+    """Compiled: streamed rows for every float dtype, attention as reductions, one compile region per kind
+    of layer. Eager: F.linear, except fp32 on CPUs without AVX-512 (W @ x^T); SDPA."""
+    for dtype in (torch.float32, torch.bfloat16):
+        compiled = Backends.choose("cpu", dtype, compiled=True)
+        assert compiled.few_rows is streamed_rows and compiled.attention_core is attention_by_reductions
+        assert compiled.layer_regions and compiled.decode_attention is None
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert Backends.choose("cpu", torch.float32, compiled=False).few_rows is weight_times_xt
+    assert Backends.choose("cpu", torch.bfloat16, compiled=False) == TORCH
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert Backends.choose("cpu", torch.float32, compiled=False) == TORCH
+    with pytest.raises(ValueError, match="programmatic dependent launch needs Triton"):
+        Backends.choose("cpu", torch.float32, compiled=False, pdl=True)
 
-    fp32, bf16 = Linear(8, 8), Linear(8, 8).to(torch.bfloat16)
-    model = torch.nn.ModuleList([fp32, bf16])
-    select_cpu_paths(model, compiled=False)
-    assert fp32.few_rows is faster_fp32_product(fp32.weight) and bf16.few_rows is None
-    select_cpu_paths(model, compiled=True)
-    assert fp32.few_rows is streamed_rows and bf16.few_rows is streamed_rows
 
-
-def test_the_fp32_product_is_timed_once_per_shape_and_computes_the_same(monkeypatch):
-    monkeypatch.setattr(linear, "_FP32_CHOICE", {})
-    weight = torch.randn(96, 40)
-    chosen = faster_fp32_product(weight)
-    assert chosen in (weight_times_xt, None) and set(linear._FP32_CHOICE) == {(96, 40)}
-    linear._FP32_CHOICE[(96, 40)] = not linear._FP32_CHOICE[(96, 40)]  # a second call reads, not times
-    assert faster_fp32_product(torch.randn(96, 40)) is not chosen
+def test_each_linear_gets_its_product_when_built_and_it_computes_the_same():
+    fp32 = Linear(40, 96, bias=True, few_rows=weight_times_xt)
     x = torch.randn(FEW_ROWS // 2, 40)
-    torch.testing.assert_close(weight_times_xt(x, weight), torch.nn.functional.linear(x, weight))
+    torch.testing.assert_close(fp32(x), torch.nn.functional.linear(x, fp32.weight, fp32.bias))
+    assert "few_rows=weight_times_xt" in repr(fp32) and "few_rows" not in repr(Linear(4, 4))
 
 
 def test_compiled_step_runs_the_graph_of_each_key_at_every_kv_len():
@@ -82,7 +83,7 @@ def test_compiled_step_runs_the_graph_of_each_key_at_every_kv_len():
     def step(rows: int, kv_len: int, sampling: bool) -> torch.Tensor:
         return state[:rows, :kv_len].sum(-1) + (1000 if sampling else 0)
 
-    run = CompiledStep(step, cache_len=600, device=torch.device("cpu"))
+    run = CompiledStep(step, cache_len=600, device=torch.device("cpu"), graphs=4)
     keys = [(1, 64, False), (2, 64, False), (1, 128, False), (2, 600, True), (1, 64, True), (2, 256, True)]
     order = keys + keys[::-1] + [keys[i] for i in torch.randperm(len(keys)).tolist()]
     for i, (rows, kv_len, sampling) in enumerate(order):
@@ -96,24 +97,30 @@ def test_compiled_step_runs_the_graph_of_each_key_at_every_kv_len():
 
 
 @pytest.mark.parametrize("dtype, tiles", [(torch.bfloat16, (128, 64)), (torch.float32, (64, 32))])
-def test_select_kernels_sets_step_and_prefill_attention(dtype, tiles):
-    """With Triton, every attention layer gets the split-KV kernel for steps and the prefill kernel (its
-    tiles by the model's dtype) for prompts; without, both are cleared and SDPA serves."""
+def test_every_layer_is_built_with_the_triton_kernels_on_cuda(dtype, tiles):
+    """On CUDA with Triton every attention layer gets the split-KV kernel for steps and the prefill kernel
+    (its tiles by the model's dtype) for prompts, decoder layers the fused add + norm, dense MLPs the
+    SwiGLU kernel, top-1 MoE the dispatch kernel; the model's repr says so. FP8 weights keep torch's MLP
+    and experts. (Built on the CPU: the layers only hold the callables.)"""
     pytest.importorskip("triton")
     from redline.config import ModelConfig
     from redline.kernels.decode_attention import decode_attention
     from redline.kernels.prefill_attention import prefill_attention
-    from redline.kernels.select import select_kernels
     from redline.layers.attention import Attention
+    from redline.layers.mlp import MLP
     from redline.models.llama import LlamaForCausalLM
-    from redline.models.random_init import llama3_config
+    from redline.train.random_init import llama3_config
 
-    model = LlamaForCausalLM(ModelConfig.from_dict(llama3_config(64))).to(dtype)
-    layers = [m for m in model.modules() if isinstance(m, Attention)]
-    select_kernels(model, True, pdl=True)
-    for layer in layers:
-        assert layer.step_kernel.func is decode_attention and layer.step_kernel.keywords == {"pdl": True}
+    backends = Backends.choose(torch.device("cuda"), dtype, compiled=False)
+    model = LlamaForCausalLM(ModelConfig.from_dict(llama3_config(64)), backends=backends)
+    for layer in (m for m in model.modules() if isinstance(m, Attention)):
+        assert layer.step_kernel.func is decode_attention and layer.step_kernel.keywords == {"pdl": False}
         assert layer.prefill_kernel.func is prefill_attention
         assert (layer.prefill_kernel.keywords["block_m"], layer.prefill_kernel.keywords["block_n"]) == tiles
-    select_kernels(model, False)
-    assert all(layer.step_kernel is None and layer.prefill_kernel is None for layer in layers)
+    assert all(m.swiglu is not None for m in model.modules() if isinstance(m, MLP))
+    assert "decode=decode_attention(pdl=False)" in repr(model) and "add_norm=fused_add_norm" in repr(model)
+    fp8 = Backends.choose(torch.device("cuda"), dtype, compiled=False, fp8_weights=True)
+    assert fp8.swiglu is None and fp8.moe_top1 is None and fp8.decode_attention is not None
+    plain = LlamaForCausalLM(ModelConfig.from_dict(llama3_config(64)))
+    attention = [m for m in plain.modules() if isinstance(m, Attention)]
+    assert all(m.step_kernel is None and m.prefill_kernel is None for m in attention)

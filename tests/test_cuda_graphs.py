@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from redline import LLM, SamplingParams
-from redline.models.random_init import write_random_draft, write_random_model
+from redline.train.random_init import write_random_draft, write_random_model
 
 
 @pytest.mark.gpu

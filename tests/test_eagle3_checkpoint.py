@@ -11,9 +11,9 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import load_file, save_file
 
 from redline.config import ConfigError
-from redline.models.build import load_target
-from redline.models.eagle3 import default_aux_layers, load_draft, save_draft
-from redline.models.random_init import write_random_draft
+from redline.models.build import load_target, load_with_draft
+from redline.models.eagle3 import aux_layers_of, default_aux_layers, load_draft, save_draft
+from redline.train.random_init import write_random_draft
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +29,8 @@ def state(draft) -> dict[str, torch.Tensor]:
 
 def test_save_then_load_is_bit_exact(target, tmp_path):
     model_dir, _ = target
-    model = load_target(model_dir, torch.float32)
-    first = load_draft(write_random_draft(model_dir, tmp_path / "a", draft_vocab=100), model, torch.float32)
+    model, first = load_with_draft(model_dir, write_random_draft(model_dir, tmp_path / "a", draft_vocab=100),
+                                   torch.float32)  # fmt: skip
     save_draft(first, tmp_path / "b")
     second = load_draft(tmp_path / "b", model, torch.float32)
     a, b = state(first), state(second)
@@ -46,8 +46,8 @@ def test_save_then_load_is_bit_exact(target, tmp_path):
 @pytest.mark.parametrize("prefix", ["model.layers.0.", "layers.0."])
 def test_other_key_layouts_load_the_same_weights(target, tmp_path, prefix):
     model_dir, _ = target
-    model = load_target(model_dir, torch.float32)
     src = write_random_draft(model_dir, tmp_path / "src", draft_vocab=100)
+    model = load_target(model_dir, torch.float32, aux_layers=aux_layers_of(src, 6))
     weights = load_file(src / "model.safetensors")
     renamed = {
         (prefix + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k): v
@@ -64,8 +64,8 @@ def test_other_key_layouts_load_the_same_weights(target, tmp_path, prefix):
 def test_own_embeddings_and_missing_lm_head(target, tmp_path):
     """Own embed_tokens are used; without lm_head (full draft vocabulary) the target's is shared."""
     model_dir, _ = target
-    model = load_target(model_dir, torch.float32)
     src = write_random_draft(model_dir, tmp_path / "src")  # draft vocab = target vocab, no d2t offsets
+    model = load_target(model_dir, torch.float32, aux_layers=aux_layers_of(src, 6))
     weights = load_file(src / "model.safetensors")
     weights["embed_tokens.weight"] = torch.randn(384, 64)
     del weights["lm_head.weight"], weights["d2t"], weights["t2d"]
@@ -78,12 +78,11 @@ def test_own_embeddings_and_missing_lm_head(target, tmp_path):
 
 def test_published_config_without_eagle_config_uses_default_aux_layers(target, tmp_path):
     model_dir, _ = target
-    model = load_target(model_dir, torch.float32)
     src = write_random_draft(model_dir, tmp_path / "d", draft_vocab=50)
     config = json.loads((src / "config.json").read_text())
-    del config["target_hidden_size"]
+    del config["target_hidden_size"]  # as the published drafts: no eagle_config either
     (src / "config.json").write_text(json.dumps(config))
-    load_draft(src, model, torch.float32)
+    model, _ = load_with_draft(model_dir, src, torch.float32)
     assert model.aux_layers == default_aux_layers(6) == (2, 3, 3)
     assert default_aux_layers(32) == (2, 16, 29) and default_aux_layers(48) == (2, 24, 45)
 
@@ -91,8 +90,7 @@ def test_published_config_without_eagle_config_uses_default_aux_layers(target, t
 def test_aux_hidden_states_are_the_inputs_of_the_chosen_layers(target):
     """aux id i = the input of layer i = HF's hidden_states[i]; all taken in the one forward."""
     model_dir, hf = target
-    model = load_target(model_dir, torch.float32)
-    model.aux_layers = (1, 3, 5)
+    model = load_target(model_dir, torch.float32, aux_layers=(1, 3, 5))
     tokens = torch.randint(0, 384, (2, 9))
     with torch.no_grad():
         _, aux = model(tokens, torch.arange(9).expand(2, -1))
@@ -123,8 +121,8 @@ def test_mismatched_drafts_get_a_clear_error(target, tmp_path, change, message):
 def test_sharded_bin_draft_loads_the_same_weights(target, tmp_path):
     """pytorch_model-0000N-of-0000M.bin + pytorch_model.bin.index.json, as transformers 4.x wrote them."""
     model_dir, _ = target
-    model = load_target(model_dir, torch.float32)
     src = write_random_draft(model_dir, tmp_path / "src", draft_vocab=100)
+    model = load_target(model_dir, torch.float32, aux_layers=aux_layers_of(src, 6))
     weights = load_file(src / "model.safetensors")
     split = split_torch_state_dict_into_shards(
         weights, filename_pattern="pytorch_model{suffix}.bin", max_shard_size="40KB"

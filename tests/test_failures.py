@@ -2,7 +2,7 @@
 queue and slots stay right; /health tells whether the engine can serve; chat templates that raise are 400s.
 
 Faults are injected where a real one cannot be provoked on CPU: the target's forward raises for one
-prompt (as a CUDA out-of-memory would inside prefill), or the runner's decode raises."""
+prompt (as a CUDA out-of-memory would inside prefill), or the runner's decode step raises."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import torch
 
 from redline import LLM, SamplingParams
 from redline.cli import main
-from redline.engine.failures import DeviceUnusableError, GenerationError, device_unusable
+from redline.engine.request import GenerationError
+from redline.failures import DeviceUnusableError, device_unusable
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
@@ -74,15 +75,15 @@ def fail_prefill_of(monkeypatch, llm: LLM, prompt: list[int], error: Exception) 
 
 def fail_decode(monkeypatch, llm: LLM, error: Exception, at: int = 0) -> None:
     """The runner's decode step number `at` (from 0, counted from now) raises `error`."""
-    decode, calls = llm.runner.decode, [0]
+    step, calls = llm.runner.run_step, [0]
 
-    def failing(rows: int, last_position: int) -> list[list[int]]:
+    def failing(rows: int, kv_len: int, logits: bool) -> torch.Tensor:
         calls[0] += 1
         if calls[0] == at + 1:
             raise error
-        return decode(rows, last_position)
+        return step(rows, kv_len, logits)
 
-    monkeypatch.setattr(llm.runner, "decode", failing)
+    monkeypatch.setattr(llm.runner, "run_step", failing)
 
 
 @pytest.mark.parametrize(
@@ -103,18 +104,18 @@ def test_device_unusable_tells_sticky_device_errors_from_ordinary_ones(error, un
 
 def test_a_failed_prefill_frees_its_slot_and_the_next_request_takes_it(llm, monkeypatch):
     fail_prefill_of(monkeypatch, llm, BAD, torch.OutOfMemoryError(OOM))
-    scheduler, runner = llm.scheduler, llm.runner
+    engine = llm.engine
     bad = llm.make_request(BAD, SamplingParams(max_tokens=8, temperature=1.0, seed=1))
-    scheduler.add(bad)
-    assert scheduler.step() == [(bad, "")]
+    engine.add(bad)
+    assert engine.step() == [(bad, "")]
     assert bad.finish_reason == "error" and bad.error == f"prefill failed: OutOfMemoryError: {OOM}"
-    assert bad.slot not in runner.sampling_slots and not runner.state.active[bad.slot]  # released
-    assert not scheduler.has_work and scheduler.unusable is None
+    assert not llm.runner.state.active[bad.slot] and engine.stats().running == 0  # released
+    assert not engine.has_work and engine.unusable is None
     good = llm.make_request(GOOD[0], SamplingParams(max_tokens=4, ignore_eos=True))
-    scheduler.add(good)
-    scheduler.step()
-    assert good.slot == bad.slot and scheduler.running == {good.slot: good}
-    scheduler.cancel(good)
+    engine.add(good)
+    engine.step()
+    assert good.slot == bad.slot and engine.scheduler.running == {good.slot: good}
+    engine.cancel(good)
 
 
 def test_generate_finishes_the_others_then_raises_with_every_completion(llm, monkeypatch):
@@ -128,7 +129,8 @@ def test_generate_finishes_the_others_then_raises_with_every_completion(llm, mon
     assert failed.finish_reason == "error" and failed.token_ids == [] and "OutOfMemoryError" in failed.error
     assert [first.token_ids, second.token_ids] == [c.token_ids for c in alone]
     assert first.error is None and first.finish_reason == "length"
-    assert not llm.scheduler.has_work and not llm.runner.sampling_slots and not llm.runner.state.active.any()
+    llm.engine.step()  # an empty plan: the freed slots go back on the device too
+    assert not llm.engine.has_work and not llm.runner.state.active.any()
 
 
 def test_a_failed_stream_raises_after_its_pieces(llm, monkeypatch):
@@ -142,11 +144,11 @@ def test_a_failed_stream_raises_after_its_pieces(llm, monkeypatch):
     failed = stream.completion
     assert failed.finish_reason == "error" and failed.token_ids == whole.token_ids[:2]  # prefill + 1 step
     assert "".join(pieces) == failed.text and whole.text.startswith(failed.text)
-    assert list(llm.stream(GOOD[0], params)) and not llm.scheduler.has_work
+    assert list(llm.stream(GOOD[0], params)) and not llm.engine.has_work
 
 
 def test_a_failed_decode_step_fails_the_requests_in_it(llm, monkeypatch):
-    slots = llm.runner.slots
+    slots = llm.config.scheduler.slots
     prompts = [[5 + i, 6, 7] for i in range(slots + 1)]  # the last one waits for a slot
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     [expected] = llm.generate([prompts[-1]], params)
@@ -159,7 +161,7 @@ def test_a_failed_decode_step_fails_the_requests_in_it(llm, monkeypatch):
         "decode step failed: RuntimeError: injected decode failure"
     }
     assert completions[-1].token_ids == expected.token_ids
-    assert llm.scheduler.unusable is None and not llm.scheduler.has_work
+    assert llm.engine.unusable is None and not llm.engine.has_work
 
 
 def test_a_device_unusable_error_fails_every_request_and_refuses_new_ones(model_dir, monkeypatch):
@@ -169,7 +171,7 @@ def test_a_device_unusable_error_fails_every_request_and_refuses_new_ones(model_
         llm.generate([[5, 6], [7, 8], [9, 10]], SamplingParams(max_tokens=6, ignore_eos=True))
     assert [c.finish_reason for c in caught.value.completions] == ["error"] * 3  # the waiting one too
     assert all(ILLEGAL in c.error for c in caught.value.completions)
-    assert llm.scheduler.unusable == f"decode step failed: AcceleratorError: {ILLEGAL}"
+    assert llm.engine.unusable == f"decode step failed: AcceleratorError: {ILLEGAL}"
     with pytest.raises(DeviceUnusableError, match="illegal memory access"):
         llm.generate(GOOD[0], SamplingParams(max_tokens=4))
 
@@ -206,7 +208,7 @@ def test_server_fails_only_the_request_whose_prefill_raised(served, monkeypatch)
 
             ok = http.post("/v1/completions", json=good | {"max_tokens": 4, "ignore_eos": True})
             assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
-        assert server.engine.queue_depth == 0 and server.engine.slots_in_use == 0
+        assert server.engine.queue_depth == 0 and server.engine.stats().running == 0
         assert 'redline_requests_total{outcome="error"} 4.0' in http.get("/metrics").text
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.APIError, match="prefill failed"):
@@ -289,7 +291,7 @@ def test_health_is_503_once_the_engine_loop_dies_and_its_open_requests_fail(mode
         }  # fmt: skip
         refused = http.post("/v1/completions", json=body)
         assert refused.status_code == 503 and died in refused.json()["error"]["message"]
-    assert not server.llm.scheduler.has_work and server.engine.queue_depth == 0
+    assert not server.llm.engine.has_work and server.engine.queue_depth == 0
 
 
 def test_health_is_503_after_the_engine_loop_stops(model_dir):

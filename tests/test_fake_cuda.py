@@ -2,7 +2,8 @@
 
 Target and draft are built on the meta device and placed on fake cuda:0 (tests/fake_cuda.py): prefill
 (a 4,000-token prompt and short ones) and the decode step (K = 0 and 3, greedy and sampling, batch 1
-and 4) run through ModelRunner with every kernel registered as a torch.library.triton_op. What fails
+and 4) run through the runner's device stages (runner/prefill.py, the step) with every kernel registered
+as a torch.library.triton_op, chosen as on a GPU (layers/backends.py). What fails
 here fails on a GPU too: a CPU tensor meeting a CUDA one, a host sync inside the step, a kernel wrapper
 that does not trace, a kernel that does not compile for sm_90 or needs more shared memory than an H200
 has. Numerics are not checked here (fake tensors hold no values): tests/test_kernels.py does that.
@@ -36,11 +37,20 @@ from fake_cuda import (
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from redline.config import ModelConfig
-from redline.engine.prefill import PrefillChunk
-from redline.engine.runner import ModelRunner
+from redline.layers.backends import Backends
 from redline.logprobs import width
-from redline.models.eagle3 import Eagle3Draft, draft_config_for
+from redline.models.eagle3 import Eagle3Draft, default_aux_layers, draft_config_for
 from redline.models.llama import LlamaForCausalLM
+from redline.runner.model_runner import ModelRunner
+from redline.runner.plan import (
+    PrefillBatch,
+    PrefillChunk,
+    Shapes,
+    SlotSampling,
+    SlotSetup,
+    StepPlan,
+    TableUpdate,
+)
 from redline.sampling import SamplingParams
 
 pytest.importorskip("triton")
@@ -96,20 +106,33 @@ def fake_cuda():
         yield
 
 
-def fake_model(raw: dict, draft: bool, dtype: torch.dtype = torch.bfloat16):
-    """Target (and an EAGLE-3 draft over half the vocabulary) built on meta, placed on fake cuda:0."""
+def fake_model(raw: dict, draft: bool, dtype: torch.dtype = torch.bfloat16, pdl: bool = False):
+    """Target (and an EAGLE-3 draft over half the vocabulary) built on meta with the kernels a GPU gets,
+    placed on fake cuda:0."""
     config = ModelConfig.from_dict(raw)
+    backends = Backends.choose(CUDA, dtype, compiled=False, pdl=pdl)
+    aux = default_aux_layers(config.num_layers) if draft else ()
     with torch._subclasses.fake_tensor.unset_fake_temporarily(), torch.device("meta"):
-        model = LlamaForCausalLM(config).to(dtype)
-        head = Eagle3Draft(draft_config_for(config, config.vocab_size // 2)).to(dtype) if draft else None
+        model = LlamaForCausalLM(config, backends=backends, aux_layers=aux).to(dtype)
+        head = None
+        if draft:
+            head_config = draft_config_for(config, config.vocab_size // 2)
+            head = Eagle3Draft(head_config, backends=backends, target_embedding=model.model.embed_tokens)
+            head = head.to(dtype)
     place = lambda t: torch.empty(t.shape, dtype=t.dtype, device=CUDA)
     model._apply(place)
     model.model.rotary.materialize(CUDA)
+    model.finish_loading()
     if head is not None:
         head._apply(place)
         head.rotary.materialize(CUDA)
-        head.attach(model)
+        head.midlayer.mlp.fuse_gate_up()
     return model, head
+
+
+def fake_runner(model, draft, k: int, max_len: int, kv_dtype: torch.dtype | None = None) -> ModelRunner:
+    return ModelRunner(model, Shapes(4, max_len, k), draft, cuda_graphs=False, kv_cache_dtype=kv_dtype,
+                       kv_cache_memory=KV_MEMORY)  # fmt: skip
 
 
 def serve(runner: ModelRunner, prefill_log: OpLog, step_log: OpLog) -> list[torch.Tensor]:
@@ -117,14 +140,19 @@ def serve(runner: ModelRunner, prefill_log: OpLog, step_log: OpLog) -> list[torc
     prefill (slot 3's first chunk only), then steps over 1 and 4 rows, greedy and sampling; the engine's
     calls are logged."""
     sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=20)
-    prompts = [list(range(5, 5 + PROMPT)), *(list(range(7, 7 + 20 * slot)) for slot in (1, 2, 3))]
-    for slot, prompt in enumerate(prompts):
-        assert runner.admit(slot, prompt, sampled if slot else SamplingParams(), seed=slot) == 0
+    prompts = [tuple(range(5, 5 + PROMPT)), *(tuple(range(7, 7 + 20 * slot)) for slot in (1, 2, 3))]
+    shapes = runner.shapes
+    per_slot = shapes.blocks_for(shapes.cache_len)
+    tables = [TableUpdate(s, 0, tuple(range(s * per_slot, (s + 1) * per_slot))) for s in range(4)]
+    admitted = [SlotSetup(s, SlotSampling.of(sampled if s else SamplingParams(), s)) for s in range(4)]
+    runner.slots.apply(StepPlan(tables=tuple(tables), admitted=tuple(admitted)))
     with prefill_log:
-        outs = [runner.prefill_on_device([PrefillChunk(0, prompts[0], 0, PROMPT)]).first]
-        chunks = [PrefillChunk(1, prompts[1], 0, 20), PrefillChunk(2, prompts[2], 0, 40)]
-        outs.append(runner.prefill_on_device([*chunks, PrefillChunk(3, prompts[3], 0, 30)]).first)
-    kv_len = runner.kv_len_for(PROMPT + 8)
+        whole = PrefillChunk(0, prompts[0], 0, final=True)
+        outs = [runner.prefill.run(PrefillBatch((whole,), logits=False)).first]
+        chunks = (PrefillChunk(1, prompts[1], 0, True), PrefillChunk(2, prompts[2], 0, True),
+                  PrefillChunk(3, prompts[3][:30], 0, False, prompts[3][30]))  # fmt: skip
+        outs.append(runner.prefill.run(PrefillBatch(chunks, logits=True)).first)
+    kv_len = shapes.kv_len_for(PROMPT + 8)
     with step_log:
         for rows in (1, 4):
             for sampling in (False, True):
@@ -147,7 +175,7 @@ def assert_on_device(prefill_log: OpLog, step_log: OpLog) -> None:
 @pytest.mark.parametrize("k", [0, 3])
 def test_prefill_and_steps_on_fake_cuda(fake_cuda, family, k):
     model, draft = fake_model(LLAMA3 if family == "llama3" else LLAMA4, draft=k > 0)
-    runner = ModelRunner(model, 4, PROMPT + 64, draft, k, cuda_graphs=False, kv_cache_memory=KV_MEMORY)
+    runner = fake_runner(model, draft, k, PROMPT + 64)
     prefill_log, step_log = OpLog(), OpLog()
     first, *_, step1_greedy, step1_sampling, step4_greedy, step4_sampling = serve(
         runner, prefill_log, step_log
@@ -168,16 +196,7 @@ def test_prefill_and_steps_on_fake_cuda(fake_cuda, family, k):
 @in_child
 def test_fp8_cache_on_fake_cuda(fake_cuda):
     model, draft = fake_model(LLAMA4, draft=True)
-    runner = ModelRunner(
-        model,
-        4,
-        PROMPT + 64,
-        draft,
-        3,
-        kv_cache_dtype=torch.float8_e4m3fn,
-        cuda_graphs=False,
-        kv_cache_memory=KV_MEMORY,
-    )
+    runner = fake_runner(model, draft, 3, PROMPT + 64, torch.float8_e4m3fn)
     assert runner.cache.layers[0][0].dtype == torch.float8_e4m3fn
     prefill_log, step_log = OpLog(), OpLog()
     serve(runner, prefill_log, step_log)
@@ -213,18 +232,19 @@ def test_compiled_step_traces_the_kernels(fake_cuda):
     and a new kv_len compiles nothing. compiled_step.py marks kv_len unbacked; under FakeTensorMode
     dynamo ignores mark_unbacked (each kv_len would compile), so this marks it dynamic with a range."""
     torch._dynamo.reset()
-    model, draft = fake_model(LLAMA4, draft=True)
-    runner = ModelRunner(model, 4, 1024, draft, 3, pdl=True, cuda_graphs=False, kv_cache_memory=KV_MEMORY)
+    model, draft = fake_model(LLAMA4, draft=True, pdl=True)
+    runner = fake_runner(model, draft, 3, 1024)
     graphs: list[torch.fx.GraphModule] = []
 
     def step(rows: int, kv_index: torch.Tensor, sampling: bool) -> torch.Tensor:
         return runner.step(rows, kv_index.shape[0], sampling)
 
     compiled = torch.compile(step, fullgraph=True, dynamic=False, backend=_aot_graphs(graphs))
-    kv_index = torch.arange(runner.cache_len + 1, device=CUDA)
+    cache_len = runner.shapes.cache_len
+    kv_index = torch.arange(cache_len + 1, device=CUDA)
     for kv_len in (128, 512):
         view = kv_index[:kv_len]
-        torch._dynamo.mark_dynamic(view, 0, min=2, max=runner.cache_len)
+        torch._dynamo.mark_dynamic(view, 0, min=2, max=cache_len)
         compiled(4, view, True)
     assert len(graphs) == 1
     launched = set(_triton_launches(graphs[0]))
@@ -241,7 +261,7 @@ def test_compiled_prefill_traces_the_kernels(fake_cuda, family):
     of compiled_prefill.py) or, for Llama 4, above the MoE layer's few-token branch (n <= experts)."""
     torch._dynamo.reset()
     model, _ = fake_model(LLAMA3 if family == "llama3" else LLAMA4, draft=False)
-    runner = ModelRunner(model, 4, 1024, cuda_graphs=False, kv_cache_memory=KV_MEMORY)
+    runner = fake_runner(model, None, 0, 1024)
     graphs: list[torch.fx.GraphModule] = []
 
     def prefill(tokens: torch.Tensor, tables: torch.Tensor) -> tuple:
@@ -277,18 +297,8 @@ def test_kernels_compile_for_h200(fake_cuda, shape, kv_dtype, pdl):
     sm_90 with Triton's ptxas, fits an H200's shared memory, spills no registers, and the prefill's
     bf16 products run on tensor cores (wgmma). With pdl, the split-KV kernel compiles with
     programmatic dependent launch (its gdc_wait)."""
-    model, draft = fake_model(shape, draft=True)
-    runner = ModelRunner(
-        model,
-        4,
-        PROMPT + 64,
-        draft,
-        3,
-        kv_cache_dtype=kv_dtype,
-        pdl=pdl,
-        cuda_graphs=False,
-        kv_cache_memory=KV_MEMORY,
-    )
+    model, draft = fake_model(shape, draft=True, pdl=pdl)
+    runner = fake_runner(model, draft, 3, PROMPT + 64, kv_dtype)
     with recorded_launches() as launches:
         serve(runner, OpLog(), OpLog())
     seen, report = set(), []

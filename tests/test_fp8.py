@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_leaves
 from redline import LLM, SamplingParams
 from redline.config import ConfigError
 from redline.models.build import load_target
-from redline.quant.checkpoint import quantize_checkpoint
+from redline.models.fp8_checkpoint import quantize_checkpoint
 from redline.quant.fp8 import FP8, Fp8Linear, dequantize, quantize
 from redline.quant.fp8_experts import Fp8Experts
 from redline.quant.scheme import Fp8Scheme
@@ -184,7 +184,7 @@ def test_ignore_patterns():
 
 
 def test_fp8_kv_cache_close_to_full_precision(tmp_path, tokenizer_dir):
-    from redline.engine.kv_cache import KVCache
+    from redline.models.kv_cache import KVCache
 
     src = save_hf_model(build_hf_model(llama3_hf_config(), seed=5), tmp_path / "src", tokenizer_dir)
     model = load_target(src, torch.float32)

@@ -13,7 +13,7 @@ from conftest import build_hf_model, llama3_hf_config, save_hf_model
 from safetensors.torch import load_file, save_file
 
 from redline import LLM, SamplingParams
-from redline.models.random_init import write_random_draft
+from redline.train.random_init import write_random_draft
 
 CONTEXT = 160
 
@@ -68,4 +68,5 @@ def run_to_the_limit(target, draft, k: int, batch: int, **engine) -> None:
         assert c.token_ids == [0] * params_i.max_tokens and c.finish_reason == "length"
         assert n + len(c.token_ids) == CONTEXT
         assert c.acceptance_length == k + 1  # every step accepted all K drafts
-    assert not llm.runner.state.active.any()
+    stats = llm.stats()  # every slot and block given back
+    assert stats.running == stats.waiting == 0 and stats.kv_blocks_free == stats.kv_blocks

@@ -77,15 +77,16 @@ def test_generate_takes_a_hub_id_and_serve_names_it_as_the_hub_does(offline_cach
 
 def test_serve_takes_the_model_as_vllm_serve_does():
     from redline.cli import build_parser
-    from redline.server.serve import _model_argument
+    from redline.server.serve import engine_config
 
     parser = build_parser()
-    assert _model_argument(parser.parse_args(["serve", REPO, "--revision", "v2"])) == REPO
-    assert _model_argument(parser.parse_args(["serve", "--model", REPO])) == REPO
+    config = engine_config(parser.parse_args(["serve", REPO, "--revision", "v2"]))
+    assert (config.load.model, config.load.revision) == (REPO, "v2")
+    assert engine_config(parser.parse_args(["serve", "--model", REPO])).load.model == REPO
     with pytest.raises(ValueError, match="no model given: redline serve MODEL"):
-        _model_argument(parser.parse_args(["serve"]))
+        engine_config(parser.parse_args(["serve"]))
     with pytest.raises(ValueError, match="two models given"):
-        _model_argument(parser.parse_args(["serve", REPO, "--model", "other/one"]))
+        engine_config(parser.parse_args(["serve", REPO, "--model", "other/one"]))
 
 
 def test_info_reads_a_hub_id(offline_cache, capsys):

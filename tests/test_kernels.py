@@ -8,8 +8,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from redline.engine.kv_cache import BLOCK, gather_blocks
 from redline.kernels.decode_attention import decode_attention, decode_attention_reference
+from redline.kernels.paged_kv import BLOCK, gather_blocks
 from redline.kernels.prefill_attention import prefill_attention, prefill_attention_reference
 from redline.kernels.rms_norm import add_rms_norm, add_rms_norm_reference
 from redline.kernels.swiglu import swiglu, swiglu_reference
@@ -163,7 +163,7 @@ def test_prefill_attention_at_4000_tokens():
     """A 4,000-token prompt against a 4,096-position cache bucket, GQA 2, Llama 4's chunked mask with a
     chunk of 1,536 (chunk starts 1,536 and 3,072 inside query tiles). Interpreted, 128 x 128 tiles: its
     cost is per block visited (7 s here, 53 s with the engine's fp32 64 x 32); compiled, the engine's."""
-    from redline.kernels.select import prefill_tiles
+    from redline.layers.backends import prefill_tiles
 
     tiles = prefill_tiles(torch.float32) if DEVICE == "cuda" else {"block_m": 128, "block_n": 128}
     q, k_cache, v_cache, positions, tables = _prefill_inputs(
@@ -190,31 +190,33 @@ def test_moe_top1(dtype, n, e, h, i):
     )
 
 
-def test_engine_with_triton_attention_matches_sdpa(tmp_path, tokenizer_dir):
+def test_engine_with_triton_attention_matches_sdpa(tmp_path, tokenizer_dir, monkeypatch):
     """Greedy decoding of a Llama 4 model (chunked attention, chunk 24, top-1 MoE over 8 experts, so a
     step's 2 x 3 tokens take the few-token path) with speculation: the Triton split-KV attention, fused
-    residual + RMSNorm, fused gate/up + SwiGLU and top-1 MoE dispatch give the torch path's tokens."""
+    residual + RMSNorm, fused gate/up + SwiGLU and top-1 MoE dispatch give the torch path's tokens. The
+    engines are built as on any device, with the backends of each kind handed to their layers."""
     from conftest import build_hf_model, llama4_hf_config, save_hf_model
 
     from redline import LLM, SamplingParams
-    from redline.kernels.select import select_kernels
+    from redline.layers.backends import TORCH, Backends
     from redline.layers.mlp import MLP
     from redline.layers.moe import MoE
-    from redline.models.random_init import write_random_draft
+    from redline.runner import build
+    from redline.train.random_init import write_random_draft
 
     config = llama4_hf_config(num_local_experts=8)
     target = save_hf_model(build_hf_model(config, seed=4), tmp_path / "t", tokenizer_dir)
     draft = write_random_draft(target, tmp_path / "d")
-    llm = LLM(
-        target, dtype="float32", device=DEVICE, max_batch=2, max_seq_len=64, draft=draft, num_draft_tokens=2
-    )
     prompts = [list(range(5, 25)), list(range(30, 37))]  # the first crosses the chunk boundary at 24
     params = SamplingParams(max_tokens=10, ignore_eos=True)
-    select_kernels(llm.model, False)
-    select_kernels(llm.draft, False)
-    expected = [c.token_ids for c in llm.generate(prompts, params)]
-    select_kernels(llm.model, True)
-    select_kernels(llm.draft, True)
+
+    def engine(backends: Backends) -> LLM:
+        monkeypatch.setattr(build, "backends_of", lambda config, device: backends)
+        return LLM(target, dtype="float32", device=DEVICE, max_batch=2, max_seq_len=64, draft=draft,
+                   num_draft_tokens=2)  # fmt: skip
+
+    expected = [c.token_ids for c in engine(TORCH).generate(prompts, params)]
+    llm = engine(Backends.choose(torch.device("cuda"), torch.float32, compiled=False))
     assert all(layer.add_norm is not None for layer in llm.model.model.layers)
     mlps = [m for m in llm.model.modules() if isinstance(m, MLP)]
     assert mlps and all(m.swiglu is not None for m in mlps)
@@ -222,6 +224,7 @@ def test_engine_with_triton_attention_matches_sdpa(tmp_path, tokenizer_dir):
     assert moes and all(m.top1 is not None for m in moes)
     gate = mlps[0].gate_proj.weight
     assert gate.data_ptr() == mlps[0].gate_up_weight.data_ptr()  # a view: no second copy
+    assert "decode_attention" in repr(llm.model) and "decode_attention" in repr(llm.draft)
     assert [c.token_ids for c in llm.generate(prompts, params)] == expected
 
 

@@ -10,7 +10,7 @@ from conftest import build_hf_model, llama3_hf_config, save_hf_model
 
 from redline import LLM
 from redline.cli import main
-from redline.engine.kv_budget import CPU_DEFAULT_BYTES, cpu_kv_blocks, cuda_kv_bytes
+from redline.runner.kv_budget import CPU_DEFAULT_BYTES, cpu_kv_blocks, cuda_kv_bytes
 
 GIB = 2**30
 
@@ -44,15 +44,14 @@ def test_256_slots_on_cpu_take_at_most_4_gib(tmp_path, tokenizer_dir):
     under the cap, every context is held; a wider model's pool stops at 4 GiB."""
     small = save_hf_model(build_hf_model(llama3_hf_config(), seed=1), tmp_path / "s", tokenizer_dir)
     llm = LLM(small, dtype="float32", max_batch=256, max_seq_len=4096, compile=False, progress=False)
-    runner = llm.runner
-    assert runner.pool.num_blocks == 256 * -(-runner.cache_len // 16)
+    assert llm.runner.num_blocks == 256 * -(-llm.runner.shapes.cache_len // 16)
     wide = llama3_hf_config(
         num_hidden_layers=8, num_key_value_heads=4, num_attention_heads=4, hidden_size=256
     )
     target = save_hf_model(build_hf_model(wide, seed=2), tmp_path / "w", tokenizer_dir)
     llm = LLM(target, dtype="float32", max_batch=256, max_seq_len=4096, compile=False, progress=False)
-    assert llm.runner.pool.num_blocks * llm.runner.block_bytes <= CPU_DEFAULT_BYTES
-    assert llm.runner.pool.num_blocks == CPU_DEFAULT_BYTES // llm.runner.block_bytes
+    assert llm.runner.num_blocks * llm.runner.block_bytes <= CPU_DEFAULT_BYTES
+    assert llm.stats().kv_blocks == llm.runner.num_blocks == CPU_DEFAULT_BYTES // llm.runner.block_bytes
 
 
 @pytest.mark.gpu
@@ -63,7 +62,7 @@ def test_on_a_gpu_the_pool_fills_the_share_it_was_given(tmp_path, tokenizer_dir)
     llm = LLM(
         target, dtype="bfloat16", device="cuda", max_seq_len=1024, gpu_memory_utilization=0.3, progress=False
     )
-    pool_bytes = llm.runner.pool.num_blocks * llm.runner.block_bytes
+    pool_bytes = llm.runner.num_blocks * llm.runner.block_bytes
     assert 0 < pool_bytes <= 0.3 * total - torch.cuda.memory_allocated() + pool_bytes
 
 
@@ -71,6 +70,6 @@ def test_prefill_and_prefix_flags(tmp_path, tokenizer_dir, capsys):
     target = save_hf_model(build_hf_model(llama3_hf_config(), seed=6), tmp_path / "t", tokenizer_dir)
     argv = ["generate", "--model", str(target), "--prompt", "x " * 40, "--dtype", "float32", "--no-compile"]
     assert main([*argv, "--max-prefill-tokens", "8"]) != 0
-    assert "max_prefill_tokens must be at least 16 (one block), got 8" in capsys.readouterr().err
+    assert "max_num_batched_tokens must be at least 16 (one block), got 8" in capsys.readouterr().err
     flags = ["--max-prefill-tokens", "16", "--no-prefix-caching", "--gpu-memory-utilization", "0.5"]
     assert main([*argv, *flags, "--max-tokens", "3"]) == 0

@@ -14,7 +14,7 @@ from redline import LLM, SamplingParams
 from redline.data import sharegpt
 from redline.logprobs import TokenLogprob, pack, unpack
 from redline.models.gguf import gguf_model_dir, smollm2_gguf
-from redline.models.random_init import write_random_draft
+from redline.train.random_init import write_random_draft
 
 ATOL = 1e-4
 PROMPTS = ["import os\nimport sys\n\n\ndef main():\n", "class Reader:\n    def __init__(self, path", "x = ["]
@@ -87,7 +87,7 @@ def test_prompt_logprobs_through_chunks_and_a_warm_prefix_cache(trained):
     request asking for prompt logprobs computes them all. max_tokens 0 generates nothing."""
     llm = LLM(trained / "target", draft=trained / "draft", dtype="float32", max_seq_len=256,
               max_prefill_tokens=48, progress=False)  # fmt: skip
-    prompt = torch.randint(5, llm.config.vocab_size, (150,)).tolist()
+    prompt = torch.randint(5, llm.model_config.vocab_size, (150,)).tolist()
     llm.generate([prompt], SamplingParams(max_tokens=4))  # caches the prompt's blocks
     params = SamplingParams(max_tokens=0, prompt_logprobs=3)
     [only] = llm.generate([prompt], params)
@@ -108,7 +108,7 @@ def test_prompt_logprobs_start_over_when_a_chunked_prefill_is_preempted(trained)
     probe = LLM(trained / "target", dtype="float32", max_seq_len=256, progress=False)
     llm = LLM(trained / "target", dtype="float32", max_seq_len=256, max_batch=4, progress=False,
               kv_cache_memory=11 * probe.runner.block_bytes, max_prefill_tokens=32)  # fmt: skip
-    running, scored = (torch.randint(5, llm.config.vocab_size, (n,)).tolist() for n in (45, 120))
+    running, scored = (torch.randint(5, llm.model_config.vocab_size, (n,)).tolist() for n in (45, 120))
     _, out = llm.generate([running, scored], [SamplingParams(max_tokens=100, ignore_eos=True),
                                               SamplingParams(max_tokens=2, prompt_logprobs=1)])  # fmt: skip
     assert out.preemptions > 0

@@ -14,8 +14,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from redline import LLM, SamplingParams
-from redline.engine.prefill import PrefillChunk
-from redline.layers.attention import Attention
+from redline.layers.backends import Backends
+from redline.models.build import load_target
+from redline.runner import build
+from redline.runner.model_runner import ModelRunner
+from redline.runner.plan import (
+    PrefillBatch,
+    PrefillChunk,
+    Shapes,
+    SlotSampling,
+    SlotSetup,
+    StepPlan,
+    TableUpdate,
+)
 
 PROMPT = 2100
 NEW_TOKENS = 12
@@ -35,38 +46,39 @@ def _prompt(vocab_size: int, n: int, seed: int) -> list[int]:
     return torch.randint(5, vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _greedy_matches_hf(hf, model_dir, new_tokens: int, triton: bool) -> None:
+def _greedy_matches_hf(hf, model_dir, new_tokens: int, triton: bool, monkeypatch) -> None:
     device = "cuda" if triton and torch.cuda.is_available() else "cpu"  # on CUDA the runner picks Triton
     length = 4000 if device == "cuda" else PROMPT  # the interpreter on CPU is slow; a GPU takes 4,000
-    llm = LLM(model_dir, dtype="float32", device=device, max_batch=1, max_seq_len=length + new_tokens + 4)
     if device == "cpu" and triton:  # the attention kernels, larger tiles: the interpreter pays per tile
         from redline.kernels.decode_attention import decode_attention
         from redline.kernels.prefill_attention import prefill_attention
 
-        for module in llm.model.modules():
-            if isinstance(module, Attention):
-                module.prefill_kernel = functools.partial(prefill_attention, block_m=128, block_n=128)
-                module.step_kernel = functools.partial(decode_attention, block_n=64)
+        kernels = Backends(
+            decode_attention=functools.partial(decode_attention, block_n=64),
+            prefill_attention=functools.partial(prefill_attention, block_m=128, block_n=128),
+        )
+        monkeypatch.setattr(build, "backends_of", lambda config, device: kernels)
+    llm = LLM(model_dir, dtype="float32", device=device, max_batch=1, max_seq_len=length + new_tokens + 4)
     prompt = _prompt(hf.config.vocab_size, length, seed=3)
     expected, hf_logits = hf_greedy(hf, prompt, new_tokens)
     [completion] = llm.generate([prompt], SamplingParams(max_tokens=new_tokens, ignore_eos=True))
     assert_same_greedy(completion.token_ids, expected, hf_logits, length)
 
 
-def test_long_prompt_greedy_matches_hf(long_pair):
+def test_long_prompt_greedy_matches_hf(long_pair, monkeypatch):
     hf, model_dir = long_pair
-    _greedy_matches_hf(hf, model_dir, NEW_TOKENS, triton=False)
+    _greedy_matches_hf(hf, model_dir, NEW_TOKENS, False, monkeypatch)
 
 
 @pytest.mark.parametrize("long_pair", ["llama4"], indirect=True)
-def test_long_prompt_greedy_matches_hf_through_triton_kernels(long_pair):
+def test_long_prompt_greedy_matches_hf_through_triton_kernels(long_pair, monkeypatch):
     """The CUDA path's attention kernels (flash-attention prefill over 2,100 tokens, then split-KV steps)
     under the interpreter, against HF; 4 new tokens. On a GPU, the whole CUDA path over 4,000 tokens.
     The row-wise kernels (norm, SwiGLU) would launch 2,100 programs per layer, minutes in the
     interpreter; test_kernels.py covers them."""
     pytest.importorskip("triton")
     hf, model_dir = long_pair
-    _greedy_matches_hf(hf, model_dir, 4, triton=True)
+    _greedy_matches_hf(hf, model_dir, 4, True, monkeypatch)
 
 
 class LargestOutput(TorchDispatchMode):
@@ -90,14 +102,19 @@ def test_cpu_prefill_of_4000_tokens_materializes_nothing_quadratic_per_head(tmp_
     CPU flash kernel, and no op outputs more than one [T, S] plane (the mask, which that kernel turns
     into an additive fp32 mask: [1, 1, T, S]), where the math kernel's scores would be [1, Hq, T, S]."""
     hf = build_hf_model(llama3_hf_config(max_position_embeddings=4096), seed=5)
-    llm = LLM(
-        save_hf_model(hf, tmp_path / "m", tokenizer_dir), dtype="float32", max_batch=1, max_seq_len=4096
-    )
-    runner, n = llm.runner, 4000
-    kv_len = runner.kv_len_for(n)
+    model = load_target(save_hf_model(hf, tmp_path / "m", tokenizer_dir), torch.float32)
+    runner, n = ModelRunner(model, Shapes(1, 4096, 0)), 4000
+    kv_len = runner.shapes.prefill_len(n)
+    blocks = tuple(range(runner.shapes.blocks_for(n + 1)))
+    prompt = tuple(_prompt(hf.config.vocab_size, n, seed=4))
+    plan = StepPlan(
+        tables=(TableUpdate(0, 0, blocks),), admitted=(SlotSetup(0, SlotSampling.of(SamplingParams(), 0)),),
+        prefill=PrefillBatch((PrefillChunk(0, prompt, 0, final=True),), logits=False),
+    )  # fmt: skip
+    runner.slots.apply(plan)
     log = LargestOutput()
     with torch.no_grad(), log:  # not inference_mode, under which the mode sees SDPA whole, not its kernel
-        assert runner.reserve(0, runner.cache_len)
-        runner.prefill_on_device([PrefillChunk(0, _prompt(hf.config.vocab_size, n, seed=4), 0, n)])
+        assert plan.prefill is not None
+        runner.prefill.run(plan.prefill)
     assert "aten::_scaled_dot_product_flash_attention_for_cpu" in log.names
     assert log.largest <= n * kv_len < hf.config.num_attention_heads * n * kv_len

@@ -11,7 +11,7 @@ import torch._dynamo.utils
 import torch.nn.functional as F
 from torch.profiler import profile
 
-from redline.layers.grouped_mm import grouped_mm, grouped_mm_loop, masked_grouped_mm, native_grouped_mm
+from redline.kernels.grouped_mm import grouped_mm, grouped_mm_loop, masked_grouped_mm, native_grouped_mm
 from redline.layers.moe import Experts, MoE, routed_sorted, sort_by_expert
 from redline.parallel.group import TensorParallel
 from redline.quant.fp8 import FP8, dequantize

@@ -4,8 +4,6 @@ block comes back."""
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 import torch
 from conftest import (
@@ -17,12 +15,14 @@ from conftest import (
 )
 
 from redline import LLM, SamplingParams
-from redline.cli import main, parse_bytes
+from redline.cli import main
 from redline.config import ModelConfig
-from redline.engine.failures import GenerationError
-from redline.engine.kv_cache import BLOCK, KVCache
+from redline.engine.request import GenerationError
+from redline.engine_config import parse_bytes
+from redline.kernels.paged_kv import BLOCK
+from redline.models.kv_cache import KVCache
 from redline.models.llama import LlamaForCausalLM
-from redline.models.random_init import normal_init, write_random_draft
+from redline.train.random_init import normal_init, write_random_draft
 
 
 @pytest.mark.parametrize(
@@ -48,7 +48,7 @@ def test_a_small_pool_preempts_and_every_request_gets_its_own_tokens(tmp_path, t
     alone = LLM(target, **kw)
     want = [alone.generate([p], q)[0].token_ids for p, q in zip(prompts, params, strict=True)]
     small = LLM(target, kv_cache_memory=9 * alone.runner.block_bytes, **kw)
-    assert small.runner.pool.num_blocks == 9 and small.runner.cache.layers[0][0].shape[0] == 10  # + scratch
+    assert small.stats().kv_blocks == 9 and small.runner.cache.layers[0][0].shape[0] == 10  # + scratch
     got = small.generate(prompts, params)
     for prompt, q, c, alone_tokens in zip(prompts, params, got, want, strict=True):
         if q.greedy:  # a recomputed prefix's logits differ from the incremental ones by fp32 rounding
@@ -56,7 +56,7 @@ def test_a_small_pool_preempts_and_every_request_gets_its_own_tokens(tmp_path, t
         else:
             assert c.token_ids == alone_tokens
     assert sum(c.preemptions for c in got) > 0
-    pool = small.runner.pool
+    pool = small.engine.scheduler.pool
     assert pool.available == pool.num_blocks and not any(pool.refs)
 
 
@@ -83,24 +83,24 @@ def test_blocks_are_taken_as_a_request_grows(tmp_path, tokenizer_dir):
     later the request has reached position 59 and holds ceil((59 + 2) / 16) = 4; all return at the end."""
     target = save_hf_model(build_hf_model(llama3_hf_config(), seed=3), tmp_path / "t", tokenizer_dir)
     llm = LLM(target, dtype="float32", max_batch=1, max_seq_len=128, compile=False, progress=False)
-    runner, held = llm.runner, []
-    step = runner.decode
+    scheduler, held, execute = llm.engine.scheduler, [], llm.executor.execute
 
-    def recording(rows: int, last_position: int) -> list[list[int]]:
-        held.append(len(runner.block_tables[0].blocks))
-        return step(rows, last_position)
+    def recording(plan):
+        if plan.decode is not None:
+            held.append(len(scheduler.tables[0].blocks))
+        return execute(plan)
 
-    runner.decode = recording
+    llm.executor.execute = recording
     llm.generate([torch.randint(5, 384, (20,)).tolist()], SamplingParams(max_tokens=41, ignore_eos=True))
-    assert held[0] == -(-(20 + runner.lookahead) // BLOCK) == 2 and held[-1] == 4
-    assert runner.pool.available == runner.pool.num_blocks
+    assert held[0] == -(-(20 + scheduler.shapes.lookahead) // BLOCK) == 2 and held[-1] == 4
+    assert scheduler.pool.available == scheduler.pool.num_blocks
 
 
-def test_every_tensor_parallel_rank_takes_the_same_blocks(tmp_path, tokenizer_dir):
+def test_every_tensor_parallel_rank_executes_rank_0s_plan_once_per_step(tmp_path, tokenizer_dir):
     """Over 2 ranks with the memory of 5.5 one-process blocks (11 per rank: a rank holds 1 of the 2 KV
-    heads), each rank's pool answers the same reservations from the same calls: the preempting run gives
-    every request its tokens alone, with EAGLE-3 at K = 3, prompts sharing their first 33 tokens (prefix
-    hits) and prefill in chunks of 32 tokens."""
+    heads), rank 0's scheduler plans and every rank executes each plan, one message per step: the
+    preempting run gives every request its tokens alone, with EAGLE-3 at K = 3, prompts sharing their
+    first 33 tokens (prefix hits) and prefill in chunks of 32 tokens."""
     target = save_hf_model(build_hf_model(llama3_hf_config(), seed=5), tmp_path / "t", tokenizer_dir)
     draft = write_random_draft(target, tmp_path / "d")
     kw = dict(dtype="float32", max_batch=4, max_seq_len=128, compile=False, progress=False, draft=draft)
@@ -111,16 +111,23 @@ def test_every_tensor_parallel_rank_takes_the_same_blocks(tmp_path, tokenizer_di
     want = [alone.generate([p], params)[0].token_ids for p in prompts]
     memory = 11 * alone.runner.block_bytes // 2  # 11 blocks per rank: the three at once grow to 12
     small = LLM(target, tensor_parallel_size=2, kv_cache_memory=memory, max_prefill_tokens=32, **kw)
-    sent, send = [], small.runner._send
-    small.runner._send = lambda message: sent.append(message[0]) or send(message)
+    sent, send, step, steps = [], small.executor._send, small.engine.step, [0]
+    small.executor._send = lambda message: sent.append(message) or send(message)
+
+    def counted():
+        steps[0] += 1
+        return step()
+
+    small.engine.step = counted
     try:
         got = small.generate(prompts[:1], params) + small.generate(prompts[1:], params)
     finally:
         small.close()
     assert [c.cached_tokens > 0 for c in got] == [False, True, True, True]
-    assert sent[:4] == ["admit", "prefill_batch", "prefill_batch", "decode"]  # 45 tokens: chunks 32 + 13
-    # workers hear of a reservation only when a slot needs a new block, not every step
-    assert 0 < sent.count("reserve") <= sum(c.decode_steps for c in got) // 4
+    assert [kind for kind, _ in sent] == ["execute"] * steps[0] + ["stop"]
+    first, second = (plan for _, (plan,) in sent[:2])  # 45 tokens: chunks 32, then 13 and the first step
+    assert [len(c.tokens) for c in first.prefill.chunks] == [32] and first.decode is None
+    assert [len(c.tokens) for c in second.prefill.chunks] == [13] and second.decode is not None
     for prompt, c, alone_tokens in zip(prompts, got, want, strict=True):
         assert greedy_divergence_is_a_near_tie(alone.model, prompt, c.token_ids, alone_tokens)
     assert sum(c.preemptions for c in got) > 0
@@ -129,7 +136,7 @@ def test_every_tensor_parallel_rank_takes_the_same_blocks(tmp_path, tokenizer_di
 def test_kv_cache_memory_flag_takes_sizes_and_names_a_pool_too_small(tmp_path, tokenizer_dir, capsys):
     sizes = [parse_bytes(t) for t in ("4096", "512MB", "2GiB", "1.5 gb")]
     assert sizes == [4096, 512 * 10**6, 2**31, 15 * 10**8]
-    with pytest.raises(argparse.ArgumentTypeError, match="not a size in bytes: '2XB'"):
+    with pytest.raises(ValueError, match="not a size in bytes: '2XB'"):
         parse_bytes("2XB")
     target = save_hf_model(build_hf_model(llama3_hf_config(), seed=6), tmp_path / "t", tokenizer_dir)
     argv = ["generate", "--model", str(target), "--prompt", "x", "--dtype", "float32", "--no-compile"]
@@ -155,7 +162,8 @@ def test_a_context_filled_to_the_limit_survives_preemption(tmp_path, tokenizer_d
     assert [len(c.token_ids) for c in got] == [548, 300] and got[1].preemptions > 0
     for prompt, c, alone_tokens in zip(prompts, got, want, strict=True):
         assert greedy_divergence_is_a_near_tie(small.model, prompt, c.token_ids, alone_tokens)
-    assert small.runner.pool.available == small.runner.pool.num_blocks
+    stats = small.stats()
+    assert stats.kv_blocks_free == stats.kv_blocks
 
 
 def _contiguous_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:

@@ -14,6 +14,7 @@ from conftest import build_hf_model, llama3_hf_config, llama4_hf_config, save_hf
 
 from redline import LLM, SamplingParams
 from redline.models.build import load_target
+from redline.models.kv_cache import KVCache
 
 ATOL = 1e-4
 
@@ -63,13 +64,12 @@ def test_logits_match_hf_every_position(pair):
 def test_cached_prefill_then_decode_matches_full_forward(pair):
     """Prefill 30 tokens into slot 1 of a 2-slot cache, then feed 40 more one at a time."""
     hf, model_dir = pair
-    llm = LLM(model_dir, dtype="float32", max_batch=2, max_seq_len=128)
+    model = load_target(model_dir, torch.float32)
     tokens = torch.randint(0, hf.config.vocab_size, (1, 70))
     with torch.no_grad():
         expected = hf(tokens).logits[0]
-    runner, model = llm.runner, llm.model
-    assert runner.reserve(1, 70)  # blocks for positions 0 .. 69 of slot 1
-    layers, tables = runner.cache.layers, runner.cache.tables(1, 1)
+    cache = KVCache(model.config, 2, 128, torch.float32, torch.device("cpu"))  # fixed runs of blocks per slot
+    layers, tables = cache.layers, cache.tables(1, 1)
     with torch.no_grad():
         hidden, _ = model(tokens[:, :30], torch.arange(30)[None], layers, tables, kv_len=64)
         got = [model.logits(hidden)[0]]

@@ -15,19 +15,29 @@ from conftest import (
 )
 
 from redline import LLM, SamplingParams
-from redline.engine.kv_cache import gather_blocks
-from redline.engine.prefill import PrefillChunk
-from redline.models.random_init import write_random_draft
+from redline.kernels.paged_kv import gather_blocks
+from redline.train.random_init import write_random_draft
 
 KW = dict(dtype="float32", max_batch=2, max_seq_len=256, compile=False, progress=False)
 
 
-def _cache_rows(llm: LLM, slot: int, n: int) -> list[torch.Tensor]:
-    """Keys and values of positions [0, n) of `slot`, every target layer then the draft's."""
+def _prefilled(llm: LLM, prompt: list[int]) -> tuple[list[int], list[torch.Tensor], int]:
+    """Runs `prompt` for one token; returns the blocks its plan gave it, the keys and values of its
+    positions [0, len(prompt)) there (every target layer, then the draft's), and its cached tokens."""
+    tables, execute = [], llm.executor.execute
+
+    def recording(plan):
+        tables.extend(u for u in plan.tables if u.start == 0)
+        return execute(plan)
+
+    llm.executor.execute = recording
+    [done] = llm.generate([prompt], SamplingParams(max_tokens=1))
+    llm.executor.execute = execute
+    blocks = list(tables[0].blocks)
     runner = llm.runner
-    tables = torch.tensor([runner.block_tables[slot].blocks])
-    layers = runner.cache.layers + (runner.draft_cache.layers if runner.draft_cache is not None else [])
-    return [gather_blocks(store, tables, n) for layer in layers for store in layer]
+    layers = runner.cache.layers + (runner.slots.draft_cache.layers if runner.draft is not None else [])
+    rows = [gather_blocks(store, torch.tensor([blocks]), len(prompt)) for layer in layers for store in layer]
+    return blocks, rows, done.cached_tokens
 
 
 @pytest.mark.parametrize(
@@ -47,19 +57,15 @@ def test_a_prefix_hit_writes_what_a_cold_prefill_writes(tmp_path, tokenizer_dir,
     a, b = shared + [7] * 30, shared + [9] * 25
     hot, cold = LLM(target, **kw), LLM(target, prefix_caching=False, **kw)
     hot.generate([a], SamplingParams(max_tokens=4))
-    reused = hot.runner.admit(0, b, SamplingParams(), seed=0)
+    blocks, got, reused = _prefilled(hot, b)
     assert reused == (48 if draft else 64)
-    pool = hot.runner.pool
-    assert (
-        hot.runner.block_tables[0].blocks[: reused // 16]
-        == [pool.block_of[k] for k in pool.keys(a, 4)][: reused // 16]
-    )  # A's blocks
-    hot.runner.prefill_batch([PrefillChunk(0, b, reused, len(b))])
-    assert cold.runner.admit(0, b, SamplingParams(), seed=0) == 0
-    cold.runner.prefill_batch([PrefillChunk(0, b, 0, len(b))])
-    for got, want in zip(_cache_rows(hot, 0, len(b)), _cache_rows(cold, 0, len(b)), strict=True):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # fp32, other GEMM shapes
-    assert hot.runner.prefilled_tokens - len(a) == len(b) - reused
+    pool = hot.engine.scheduler.pool
+    assert blocks[: reused // 16] == [pool.block_of[k] for k in pool.keys(a, 4)][: reused // 16]  # A's
+    _, want, cold_reused = _prefilled(cold, b)
+    assert cold_reused == 0
+    for got_rows, want_rows in zip(got, want, strict=True):
+        torch.testing.assert_close(got_rows, want_rows, atol=1e-5, rtol=1e-5)  # fp32, other GEMM shapes
+    assert hot.stats().prefilled_tokens - len(a) == len(b) - reused
 
 
 @pytest.mark.parametrize("config", [llama3_hf_config, llama4_hf_config], ids=["llama3", "llama4"])
@@ -88,8 +94,8 @@ def test_requests_sharing_a_system_prompt_get_the_tokens_of_cold_runs(tmp_path, 
         else:
             assert g.token_ids == w.token_ids and g.acceptance_rates == w.acceptance_rates
     assert [c.cached_tokens for c in got] == [0, 96, 96] and [c.cached_tokens for c in want] == [0, 0, 0]
-    stats = hot.runner.pool.stats
+    stats = hot.stats().prefix_cache
     assert (stats.queries, stats.hits) == (112 + 96 + 128, 2 * 96)  # full blocks before each last token
     prompt_tokens = sum(len(p) for p in prompts)
-    assert hot.runner.prefilled_tokens == prompt_tokens - 2 * 96
-    assert cold.runner.prefilled_tokens == prompt_tokens and cold.runner.pool.stats.queries == 0
+    assert hot.stats().prefilled_tokens == prompt_tokens - 2 * 96
+    assert cold.stats().prefilled_tokens == prompt_tokens and cold.stats().prefix_cache.queries == 0

@@ -18,8 +18,8 @@ from test_penalties import reference_penalized
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from redline import LLM, SamplingParams
-from redline.models.random_init import write_random_draft
 from redline.sampling import SamplingTensors, filtered_probs
+from redline.train.random_init import write_random_draft
 
 VOCAB = 12
 PROMPT = [1, 2, 3]

@@ -13,8 +13,8 @@ from conftest import (
 )
 
 from redline import LLM, SamplingParams
-from redline.models.random_init import write_random_draft
 from redline.tokenizer import Tokenizer
+from redline.train.random_init import write_random_draft
 
 TARGETS = {
     "llama3": lambda: llama3_hf_config(num_hidden_layers=4),

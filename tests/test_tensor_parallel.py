@@ -21,17 +21,17 @@ from test_checkpoint_layouts import bf16_exact, llama4_fp8_checkpoints, static_f
 from redline import LLM, SamplingParams
 from redline.cli import main
 from redline.config import ConfigError, ModelConfig
-from redline.engine.failures import GenerationError
+from redline.engine.request import GenerationError
 from redline.models.build import load_target
+from redline.models.fp8_checkpoint import quantize_checkpoint
 from redline.models.gguf import gguf_model_dir, smollm2_gguf
-from redline.models.random_init import write_random_draft
 from redline.models.tensor_files import SafetensorsFile
 from redline.parallel.group import TensorParallel
 from redline.parallel.sharding import Shard, local_config, shard_of
-from redline.parallel.workers import wait_for_workers
-from redline.quant.checkpoint import quantize_checkpoint
 from redline.quant.fp8 import FP8
+from redline.runner.ranks import wait_for_workers
 from redline.server.engine_loop import EngineLoop
+from redline.train.random_init import write_random_draft
 
 
 def test_shards_follow_the_heads_and_replicate_kv_heads_when_ranks_outnumber_them():
@@ -266,7 +266,7 @@ def test_an_engine_over_two_processes_generates_what_one_does(tmp_path, tokenize
     kw = dict(dtype="float32", max_batch=2, max_seq_len=128, draft=draft, num_draft_tokens=3, progress=False)
     want = [c.token_ids for c in LLM(target, **kw).generate(prompts, params)]
     llm = LLM(target, tensor_parallel_size=2, expert_parallel=ep, **kw)
-    workers = list(llm.runner.workers)
+    workers = list(llm.executor.workers)
     try:
         assert llm.model.config.num_heads == 2 and llm.model.tp.size == 2  # this process holds rank 0's half
         assert [c.token_ids for c in llm.generate(prompts, params)] == want
@@ -354,7 +354,7 @@ def test_a_worker_that_dies_fails_the_requests_and_ends_the_serving_loop(tmp_pat
     lost device), and the server's engine loop ends (False: `redline serve` then exits non-zero)."""
     target = save_hf_model(build_hf_model(llama3_hf_config(), seed=2), tmp_path / "t", tokenizer_dir)
     llm = LLM(target, tensor_parallel_size=2, dtype="float32", max_batch=2, max_seq_len=64, progress=False)
-    worker = llm.runner.workers[0]
+    worker = llm.executor.workers[0]
     os.kill(worker.pid, signal.SIGKILL)
     worker.join()
     try:

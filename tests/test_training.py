@@ -13,16 +13,16 @@ from conftest import TINY_DRAFT, TINY_TARGET
 from redline import LLM, SamplingParams
 from redline.cli import build_parser
 from redline.config import ModelConfig
-from redline.engine.kv_cache import KVCache
-from redline.models.build import load_target
-from redline.models.eagle3 import Eagle3Draft, draft_config_for, load_draft, save_draft
+from redline.models.build import load_target, load_with_draft
+from redline.models.eagle3 import Eagle3Draft, default_aux_layers, draft_config_for, save_draft
+from redline.models.kv_cache import KVCache
 from redline.models.llama import LlamaForCausalLM
-from redline.models.random_init import llama3_config
 from redline.tokenizer import Tokenizer
 from redline.train import data
 from redline.train.budget import MIN_STEPS, REGEN_SHARE, Plan, plan_training, regen_deadline
 from redline.train.draft import acceptance_length, held_out_prompts, new_draft, train_draft
 from redline.train.features import DraftData, Sample, draft_vocabulary, responds_mask
+from redline.train.random_init import llama3_config
 from redline.train.regenerate import chat_prompts, first_turn, regenerate
 from redline.train.target import train_target
 from redline.train.ttt import chain_attention, shift_rows, ttt_unroll
@@ -63,8 +63,8 @@ def test_target_writes_hf_format_and_transformers_agrees(trained):
 
 def test_saved_draft_reloads_bit_exactly(trained):
     trained_state = torch.load(trained / "draft" / "checkpoint.pt", weights_only=True)["module"]
-    target = load_target(trained / "target", torch.float32)
-    reloaded = load_draft(trained / "draft", target, torch.float32).state_dict()
+    _, reloaded = load_with_draft(trained / "target", trained / "draft", torch.float32)
+    reloaded = reloaded.state_dict()
     assert reloaded.keys() == trained_state.keys()
     for name, tensor in trained_state.items():
         assert torch.equal(reloaded[name], tensor), name
@@ -92,12 +92,13 @@ def test_resume_with_nothing_to_resume_is_a_clear_error(trained, tmp_path):
 def tiny_draft_pair(seed: int = 0) -> tuple[LlamaForCausalLM, Eagle3Draft]:
     torch.manual_seed(seed)
     config = ModelConfig.from_dict(llama3_config(64, hidden_size=32, intermediate_size=64))
-    target = LlamaForCausalLM(config)
-    draft = Eagle3Draft(draft_config_for(config, draft_vocab_size=40))
+    target = LlamaForCausalLM(config, aux_layers=default_aux_layers(config.num_layers))
+    draft = Eagle3Draft(
+        draft_config_for(config, draft_vocab_size=40), target_embedding=target.model.embed_tokens
+    )
     with torch.no_grad():
         for p in [*target.parameters(), *draft.parameters()]:
             p.normal_(0.0, 0.3)
-    draft.attach(target)
     return target, draft
 
 
@@ -248,13 +249,13 @@ def test_regenerate_resumes_and_its_deadline_keeps_partial_answers(trained):
     resumed = regenerate(llm, prompts, params, {0: whole[0], 3: whole[3]})
     assert resumed == whole
 
-    step = llm.scheduler.step
+    step = llm.engine.step
 
     def slow_step():  # 0.2 s per engine step: the deadline falls a few steps in
         time.sleep(0.2)
         return step()
 
-    llm.scheduler.step = slow_step
+    llm.engine.step = slow_step
     saves = []
     partial = regenerate(llm, prompts, params, {}, time.perf_counter() + 1.0, lambda: saves.append(1))
     assert saves  # saved at the end

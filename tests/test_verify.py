@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from redline.spec.verify import accepted_prefix, greedy_verify, rejection_verify
+from redline.speculative.verify import accepted_prefix, greedy_verify, rejection_verify
 
 
 def one_hot_logits(choices: list[list[int]], vocab: int = 10) -> torch.Tensor:

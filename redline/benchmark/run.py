@@ -33,8 +33,10 @@ import torch
 from redline.benchmark import hf, llamacpp
 from redline.benchmark.machine import read_bandwidth_gbps
 from redline.benchmark.prompts import engine_prompts
-from redline.engine.llm import LLM, parse_dtype
+from redline.engine.llm import LLM
 from redline.engine.request import Completion
+from redline.engine_config import parse_dtype
+from redline.runner.plan import PrefillBatch, PrefillChunk, SlotSampling, SlotSetup, StepPlan, TableUpdate
 from redline.sampling import SamplingParams
 from redline.tokenizer import Tokenizer
 from redline.train.draft import held_out_prompts, run_acceptance_length
@@ -99,10 +101,10 @@ def bench_redline(
     model_dir: Path, draft: Path | None, k: int, prompts: list[list[int]], s: BenchSettings, compiled: bool
 ) -> tuple[dict, list[list[int]]]:
     llm = LLM(
-        model_dir, dtype=s.dtype, max_batch=1, max_seq_len=max(map(len, prompts)) + s.max_tokens + 16,
-        draft=draft, num_draft_tokens=k if draft else 3, compile=compiled,
-        tensor_parallel_size=s.tensor_parallel_size, expert_parallel=s.expert_parallel,
-        prefix_caching=False,  # every repeat prefills cold, as the other engines do: TTFTs compare
+        model_dir, dtype=s.dtype, max_num_seqs=1, max_model_len=max(map(len, prompts)) + s.max_tokens + 16,
+        draft=draft, num_speculative_tokens=k if draft else 3, compile=compiled,
+        tensor_parallel_size=s.tensor_parallel_size, enable_expert_parallel=s.expert_parallel,
+        enable_prefix_caching=False,  # every repeat prefills cold, as the other engines do: TTFTs compare
     )  # fmt: skip
     params = SamplingParams(max_tokens=s.max_tokens, ignore_eos=True)
     start = time.perf_counter()
@@ -133,13 +135,18 @@ def bench_redline(
 
 @torch.inference_mode()
 def draft_share(llm: LLM, prompt: list[int], steps: int = 10) -> float:
-    """1 - (target forward over K + 1 tokens) / (whole eager step), both at the same KV bucket."""
-    runner = llm.runner
-    if not runner.reserve(0, len(prompt) + runner.lookahead):
+    """1 - (target forward over K + 1 tokens) / (whole eager step), both at the same KV bucket, on the
+    runner of an idle engine: the prompt prefilled into slot 0 over the pool's first blocks."""
+    runner, shapes = llm.runner, llm.runner.shapes
+    blocks = tuple(range(shapes.blocks_for(len(prompt) + shapes.lookahead)))
+    if len(blocks) > runner.num_blocks:
         raise ValueError(f"the KV pool cannot hold a {len(prompt)}-token prompt")
-    runner.prefill(0, prompt, SamplingParams(), seed=0)
-    kv_len = runner.kv_len_for(len(prompt) + 1)
-    positions = runner.state.pos[:1, None] + torch.arange(runner.k + 1)
+    runner.execute(StepPlan(
+        tables=(TableUpdate(0, 0, blocks),), admitted=(SlotSetup(0, SlotSampling.of(SamplingParams(), 0)),),
+        prefill=PrefillBatch((PrefillChunk(0, tuple(prompt), 0, final=True),), logits=False),
+    ))  # fmt: skip
+    kv_len = shapes.kv_len_for(len(prompt) + 1)
+    positions = runner.state.pos[:1, None] + torch.arange(shapes.k + 1)
 
     def timed(fn) -> float:
         fn()
@@ -162,7 +169,7 @@ def draft_share(llm: LLM, prompt: list[int], steps: int = 10) -> float:
         runner.step(1, kv_len, False)
 
     share = 1.0 - timed(target_only) / timed(whole_step)
-    runner.release(0)
+    runner.execute(StepPlan(released=(0,)))
     return share
 
 

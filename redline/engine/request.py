@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from redline.logprobs import TokenLogprob
@@ -175,3 +176,18 @@ class Request:
             self.num_draft_tokens - len(self.accepted_at)
         )
         return dict(acceptance_length=1 + sum(rates), acceptance_rates=rates)
+
+
+class GenerationError(RuntimeError):
+    """Some requests failed. `completions` holds every prompt's result, in order; the failed ones have
+    finish_reason "error" and their message in `error`."""
+
+    def __init__(self, completions: Sequence[Completion]):
+        self.completions = list(completions)
+        failed = [c for c in self.completions if c.finish_reason == "error"]
+        count = (
+            ""
+            if len(self.completions) == 1
+            else f"{len(failed)} of {len(self.completions)} requests failed; "
+        )
+        super().__init__(f"{count}{failed[0].error}")

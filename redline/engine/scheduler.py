@@ -1,28 +1,27 @@
-"""Continuous batching: requests join free slots at step boundaries and leave as soon as they finish.
+"""Continuous batching, as a plan per step: the scheduler owns the KV block pool (engine/blocks.py), the
+prefix cache, the queue and the slots, and turns them into one StepPlan (runner/plan.py) each step; the
+runner executes it and the scheduler takes the result back (`update`).
 
-Each step: admit waiting requests into free slots, run one prefill forward, then one decode step for
-every request past its prefill.
+Each plan, in order:
+1. blocks for the next step of every decoding request, oldest first. When the pool is short the newest
+   running request is preempted: its blocks go back, and it waits at the head of the queue to be
+   prefilled again over its prompt and the tokens it has produced (its outputs are unchanged: greedy and
+   seeded draws depend only on the position). A request that cannot fit even alone fails with an error
+   naming the sizes.
+2. waiting requests into free slots while the pool holds their tokens and a step's lookahead (their
+   cached prompt prefix reused), oldest first.
+3. one prefill forward: the requests still prefilling, in admission order, share at most
+   max_prefill_tokens tokens, padding included (rows x the longest chunk, rounded up to 16). Each takes
+   the rest of its tokens, at most the budget; one that would overflow it takes a chunk no longer than
+   the rows before it, if that fits; else the forward is full. Example, budget 2,048: a 4,000-token
+   prompt prefills in chunks of 2,048 and 1,952, one per step, while the running streams decode a step
+   after each; eight 100-token prompts prefill as one 8 x 112 batch.
+4. one decode step for every request past its prefill, those whose final chunk is in this plan included:
+   a prompt's final chunk gives its first token, and its slot decodes from the same step on.
 
-KV blocks (engine/blocks.py, through ModelRunner.admit and reserve): a request joins only when the pool
-holds blocks for its tokens (its cached prompt prefix reused), and before each decode step every
-decoding request gets blocks for the step's writes, oldest first. When the pool runs dry the newest
-running request is preempted: its blocks go back, and it waits at the head of the queue to be
-prefilled again over its prompt and the tokens it has produced (its outputs are unchanged: greedy and
-seeded draws depend only on the position). A request that could not fit even alone fails with an
-error that names the sizes.
-
-Prefill (engine/prefill.py): the requests still prefilling, in admission order, share one forward of
-at most max_prefill_tokens tokens, padding included (rows x the longest chunk, rounded up to 16). Each
-takes the rest of its tokens, at most the budget; one that would overflow it takes a chunk no longer
-than the rows before it, if that fits; else the forward is full. Example, budget 2,048: a 4,000-token
-prompt prefills in chunks of 2,048 and 1,952, one per step, while the running streams decode a step
-after each; eight 100-token prompts prefill as one 8 x 112 batch. A prompt's final chunk gives its
-first token, and its slot decodes from the same step on.
-
-A failure ends only the requests it touched: a prefill (or its first token) that raises fails its own
-request, a decode step that raises fails the requests in the step; their slots are freed and the
-others go on. An error that leaves the device unusable (failures.device_unusable) fails every request,
-and the scheduler refuses new ones from then on (`unusable` says why).
+The result: each request's new tokens through Request.accept (stops, text), finished requests' slots
+freed (told to the runner in the next plan), final prefill chunks' full blocks offered to the prefix cache.
+The scheduler never touches the device, so it is tested without a model (tests/test_scheduler.py).
 """
 
 from __future__ import annotations
@@ -30,27 +29,63 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
-from redline.engine.compiled_prefill import padded_prompt_len
-from redline.engine.failures import DeviceUnusableError, describe, device_unusable
-from redline.engine.prefill import PrefillChunk, PrefillResult
+from redline.engine.blocks import BlockPool, BlockTable, OutOfBlocks
 from redline.engine.request import Request
-from redline.engine.runner import ModelRunner, batch_bucket
+from redline.failures import DeviceUnusableError, describe, device_unusable
+from redline.kernels.paged_kv import BLOCK
+from redline.runner.plan import (
+    DecodeBatch,
+    PrefillBatch,
+    PrefillChunk,
+    Shapes,
+    SlotSampling,
+    SlotSetup,
+    StepPlan,
+    StepResult,
+    TableUpdate,
+)
 
 log = logging.getLogger("redline.engine")
 
 Events = list[tuple[Request, str]]
 
 
+@dataclass
+class Planned:
+    """What the last plan asked for, so its result can be read back."""
+
+    chunks: list[tuple[Request, PrefillChunk]] = field(default_factory=list)
+    decoding: dict[int, Request] = field(default_factory=dict)  # slot -> request, admission order
+
+
 class Scheduler:
-    def __init__(self, runner: ModelRunner, max_prefill_tokens: int | None = None):
-        """max_prefill_tokens: tokens of one prefill forward, padding included (None: a whole context,
-        so every prompt prefills in one forward)."""
-        self.runner = runner
-        self.max_prefill_tokens = max_prefill_tokens or runner.cache_len
+    def __init__(
+        self,
+        shapes: Shapes,
+        num_blocks: int,
+        max_prefill_tokens: int | None = None,
+        prefix_caching: bool = True,
+        draft: bool = False,
+    ):
+        """max_prefill_tokens: tokens of one prefill forward, padding included (None: a whole context, so
+        every prompt prefills in one forward). With a draft a cached block's key also covers the token
+        after it (engine/blocks.py)."""
+        self.shapes = shapes
+        self.pool = BlockPool(num_blocks, BLOCK, int(draft))
+        self.tables = [BlockTable(self.pool) for _ in range(shapes.slots)]
+        self.max_prefill_tokens = max_prefill_tokens or shapes.cache_len
+        self.prefix_caching = prefix_caching
         self.waiting: deque[Request] = deque()
-        self.running: dict[int, Request] = {}  # slot -> request
+        self.running: dict[int, Request] = {}  # slot -> request, admission order
         self.unusable: str | None = None  # why the device can run nothing more, once it cannot
+        self.prefilled_tokens = 0  # prompt positions computed by prefill (prefix-cache hits are not)
+        self._released: list[int] = []  # slots freed since the last plan
+        self._tables: list[TableUpdate] = []
+        self._admitted: list[SlotSetup] = []
+        self._events: Events = []  # requests failed while planning
+        self.planned = Planned()
 
     def add(self, request: Request) -> None:
         if self.unusable is not None:
@@ -61,162 +96,227 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def step(self) -> Events:
-        """Admits waiting requests into free slots, runs one prefill forward, then decodes one step for
-        every request past its prefill. Returns (request, new text) once for every request that received
-        tokens or finished, failed ones too (a request prefilled and decoded in this step: both pieces)."""
-        events: Events = []
-        self._admit(events)
+    # ---- planning ----
+
+    def schedule(self) -> StepPlan:
+        """The next step's plan (see the module's docstring)."""
+        self.planned = Planned()
         if self.unusable is None:
-            self._prefill(events)
-        if self._decoding() and self.unusable is None:
-            self._reserve_step(events)
-        if self._decoding() and self.unusable is None:
-            self._decode(events)
-        texts: dict[Request, str] = {}
-        for request, text in events:
-            texts[request] = texts.get(request, "") + text
-        return list(texts.items())
+            self._reserve_decoding()
+            self._admit()
+        prefill = self._plan_prefill() if self.unusable is None else None
+        decode = self._plan_decode() if self.unusable is None else None
+        plan = StepPlan(tuple(self._released), tuple(self._tables), tuple(self._admitted), prefill, decode)
+        self._released, self._tables, self._admitted = [], [], []
+        return plan
 
     def _decoding(self) -> dict[int, Request]:
         """Running requests past their prefill, by slot, in admission order."""
         return {slot: r for slot, r in self.running.items() if r.prefill_ids is None}
 
-    def _admit(self, events: Events) -> None:
-        """Waiting requests into free slots while the pool holds their tokens, oldest first."""
-        free = [s for s in range(self.runner.slots) if s not in self.running]
-        for request in list(self.waiting):
-            if not free or self.unusable is not None:
-                break
-            if self._sibling_prefilling(request):
-                continue  # it waits a step, then takes the sibling's prompt blocks from the prefix cache
-            slot = free[0]
-            tokens = request.prompt_ids + request.output_ids  # a preempted request's too
-            try:
-                cached = self.runner.admit(
-                    slot, tokens, request.params, request.seed, len(request.prompt_ids)
-                )
-            except Exception as error:
-                self._failed("prefill", error, [request], events)
-                if self.unusable is None:
-                    self.runner.release(slot)
-                continue
-            if cached is None:
-                if self.running:
-                    break  # blocks come back as running requests end
-                self.waiting.remove(request)
-                self.fail(request, self._too_large(len(tokens)))
-                events.append((request, ""))
-                continue
-            self.waiting.remove(request)
-            request.slot = free.pop(0)
-            request.prefill_ids, request.computed = tokens, cached
-            request.cached_tokens += cached
-            self.running[slot] = request
-
-    def _sibling_prefilling(self, request: Request) -> bool:
-        """Whether another of the n samples of the request's prompt is still prefilling it (with prefix
-        caching: once it is done, the prompt's full blocks are in the cache and the request reuses them)."""
-        return (
-            request.group is not None
-            and self.runner.prefix_caching
-            and request.params.prompt_logprobs is None  # it would not reuse them: prefill at once
-            and any(r.group is request.group and r.prefill_ids is not None for r in self.running.values())
-        )
-
-    def _prefill(self, events: Events) -> None:
-        """One prefill forward over the next chunks of the requests still prefilling."""
-        chunks: list[PrefillChunk] = []
-        requests: list[Request] = []
-        budget, length = self.max_prefill_tokens, 0  # length: the longest chunk so far
-        padded = lambda rows, n: rows * padded_prompt_len(n, self.runner.cache_len)  # tokens computed
-        for request in self.running.values():
-            if request.prefill_ids is None:
-                continue
-            chunk = min(len(request.prefill_ids) - request.computed, budget)
-            if chunks and padded(len(chunks) + 1, max(length, chunk)) > budget:
-                if padded(len(chunks) + 1, length) > budget:
-                    break
-                chunk = min(chunk, length)  # a row no longer than the others still fits
-            length = max(length, chunk)
-            assert request.slot is not None
-            end = request.computed + chunk
-            chunks.append(PrefillChunk(request.slot, request.prefill_ids, request.computed, end))
-            requests.append(request)
-        if not chunks:
-            return
-        for request, chunk, result in self._run_prefill(requests, chunks, events):
-            request.computed = chunk.end
-            if result.prompt_logprobs is not None and not request.prompt_logprobs_done:
-                request.add_prompt_logprobs(result.prompt_logprobs)  # (not again after a preemption)
-            if result.first is None:
-                continue
-            request.prefill_ids = None
-            try:
-                if request.params.max_tokens == 0:
-                    request.end_prefill_only()
-                    events.append((request, ""))
-                else:
-                    logprobs = None if result.logprob is None else [result.logprob]
-                    events.append((request, request.accept([result.first], logprobs)))
-            except Exception as error:
-                self._failed("prefill", error, [request], events)
-                continue
-            if request.finished:
-                self._free(chunk.slot)
-
-    def _run_prefill(
-        self, requests: list[Request], chunks: list[PrefillChunk], events: Events
-    ) -> list[tuple[Request, PrefillChunk, PrefillResult]]:
-        """runner.prefill_batch; when the batch raises, each chunk again alone, so that a failure (an
-        out-of-memory prompt, say) fails only its own request. Returns the chunks that ran and their
-        results (first tokens, log-probabilities)."""
-        try:
-            return list(zip(requests, chunks, self.runner.prefill_batch(chunks), strict=True))
-        except Exception as error:
-            if len(chunks) == 1 or device_unusable(error):
-                self._failed("prefill", error, requests, events)
-                return []
-        ran = []
-        for request, chunk in zip(requests, chunks, strict=True):
-            try:
-                ran.append((request, chunk, self.runner.prefill_batch([chunk])[0]))
-            except Exception as error:
-                self._failed("prefill", error, [request], events)
-                if self.unusable is not None:
-                    return []
-        return ran
-
-    def _reserve_step(self, events: Events) -> None:
+    def _reserve_decoding(self) -> None:
         """Blocks for the next step of every decoding request, oldest first, preempting the newest running
         request while the pool is short (the short one itself, when it is the newest)."""
         for slot, request in self._decoding().items():  # admission order
             if self.running.get(slot) is not request:
                 continue  # preempted meanwhile
-            while not self._reserve(slot, request, events):
+            while not self._grow(slot, request.position + self.shapes.lookahead):
                 if len(self.running) == 1:  # alone and still short
-                    self.fail(request, self._too_large(request.position + 1))
-                    events.append((request, ""))
+                    self._fail(request, self._too_large(request.position + 1))
                     break
                 newest = next(reversed(self.running.values()))
                 self._preempt(newest)
                 if newest is request:
                     break
 
-    def _reserve(self, slot: int, request: Request, events: Events) -> bool:
-        """runner.reserve for the request's next step; an error fails every running request (it met the
-        device, or a lost rank), and counts as reserved: the decode step that follows is skipped."""
+    def _grow(self, slot: int, positions: int) -> bool:
+        """Blocks for positions [0, positions) of `slot`; False, taking none, when the pool is short."""
+        table = self.tables[slot]
+        held = len(table.blocks)
         try:
-            return self.runner.reserve(slot, request.position + self.runner.lookahead)
+            table.ensure(min(positions, self.shapes.cache_len))
+        except OutOfBlocks:
+            return False
+        if len(table.blocks) > held:
+            self._tables.append(TableUpdate(slot, held, tuple(table.blocks[held:])))
+        return True
+
+    def _admit(self) -> None:
+        """Waiting requests into free slots while the pool holds their tokens, oldest first."""
+        free = [s for s in range(self.shapes.slots) if s not in self.running]
+        for request in list(self.waiting):
+            if not free:
+                break
+            if self._sibling_prefilling(request):
+                continue  # it waits a step, then takes the sibling's prompt blocks from the prefix cache
+            tokens = request.prompt_ids + request.output_ids  # a preempted request's too
+            cached = self._take_blocks(free[0], tokens, request)
+            if cached is None:
+                if self.running:
+                    break  # blocks come back as running requests end
+                self.waiting.remove(request)
+                self._fail(request, self._too_large(len(tokens)))
+                continue
+            self.waiting.remove(request)
+            request.slot = slot = free.pop(0)
+            request.prefill_ids, request.computed = tokens, cached
+            request.cached_tokens += cached
+            self.running[slot] = request
+            self._admitted.append(self._setup(slot, request, tokens))
+
+    def _take_blocks(self, slot: int, tokens: list[int], request: Request) -> int | None:
+        """Gives `slot` the blocks of `tokens` and a step's lookahead: the cached blocks of their longest
+        cached prefix (with prefix caching), then new ones. Returns how many tokens are already in the
+        cache, or None, taking nothing, when the pool is short. A request asking for prompt logprobs
+        computes its whole prompt (no cached prefix)."""
+        table = self.tables[slot]
+        reuse = self.prefix_caching and request.params.prompt_logprobs is None
+        cached = table.reuse_prefix(tokens) if reuse else 0
+        try:
+            table.ensure(min(len(tokens) + self.shapes.lookahead, self.shapes.cache_len))
+        except OutOfBlocks:
+            table.release()
+            return None
+        if reuse:
+            table.count_lookup(tokens)
+        self._tables.append(TableUpdate(slot, 0, tuple(table.blocks)))
+        return cached
+
+    @staticmethod
+    def _setup(slot: int, request: Request, tokens: list[int]) -> SlotSetup:
+        params = request.params
+        sampling = SlotSampling.of(params, request.seed)
+        if not params.penalized:
+            return SlotSetup(slot, sampling)
+        return SlotSetup(slot, sampling, tuple(tokens), len(request.prompt_ids))
+
+    def _sibling_prefilling(self, request: Request) -> bool:
+        """Whether another of the n samples of the request's prompt is still prefilling it (with prefix
+        caching: once it is done, the prompt's full blocks are in the cache and the request reuses them)."""
+        return (
+            request.group is not None
+            and self.prefix_caching
+            and request.params.prompt_logprobs is None  # it would not reuse them: prefill at once
+            and any(r.group is request.group and r.prefill_ids is not None for r in self.running.values())
+        )
+
+    def _plan_prefill(self) -> PrefillBatch | None:
+        """The next chunks of the requests still prefilling, as one forward within the token budget."""
+        budget, length = self.max_prefill_tokens, 0  # length: the longest chunk so far
+        padded = lambda rows, n: rows * self.shapes.prefill_len(n)  # tokens the forward computes
+        for request in self.running.values():
+            if request.prefill_ids is None:
+                continue
+            chunk = min(len(request.prefill_ids) - request.computed, budget)
+            rows = len(self.planned.chunks)
+            if rows and padded(rows + 1, max(length, chunk)) > budget:
+                if padded(rows + 1, length) > budget:
+                    break
+                chunk = min(chunk, length)  # a row no longer than the others still fits
+            length = max(length, chunk)
+            self.planned.chunks.append((request, self._chunk(request, request.computed + chunk)))
+        if not self.planned.chunks:
+            return None
+        logits = any(r.params.needs_logits for r, _ in self.planned.chunks)
+        return PrefillBatch(tuple(c for _, c in self.planned.chunks), logits)
+
+    @staticmethod
+    def _chunk(request: Request, end: int) -> PrefillChunk:
+        sequence, start, params = request.prefill_ids, request.computed, request.params
+        assert sequence is not None and request.slot is not None
+        final = end == len(sequence)
+        prompt_top = None if request.prompt_logprobs_done else params.prompt_logprobs
+        return PrefillChunk(
+            request.slot, tuple(sequence[start:end]), start, final, 0 if final else sequence[end],
+            params.logprobs if final else None, prompt_top, len(request.prompt_ids),
+        )  # fmt: skip
+
+    def _plan_decode(self) -> DecodeBatch | None:
+        """Every request past its prefill, and those whose final chunk this plan runs (unless they asked
+        for none: max_tokens 0), in admission order."""
+        first_at = {c.slot: c.end for r, c in self.planned.chunks if c.final and r.params.max_tokens > 0}
+        decoding, last = self.planned.decoding, 0  # last: the furthest pending token's position
+        for slot, request in self.running.items():
+            if request.prefill_ids is None or slot in first_at:
+                decoding[slot] = request
+                last = max(last, request.position if request.prefill_ids is None else first_at[slot])
+        if not decoding:
+            return None
+        rows = self.shapes.batch_bucket(max(decoding) + 1)
+        logits = any(r.params.needs_logits for r in decoding.values())
+        logprobs = {s: r.params.logprobs for s, r in decoding.items() if r.params.logprobs is not None}
+        return DecodeBatch(rows, self.shapes.kv_len_for(last), logits, logprobs)
+
+    # ---- results ----
+
+    def update(self, result: StepResult) -> Events:
+        """Takes the executed plan's result: prefill progress and first tokens, the step's tokens. Returns
+        (request, new text) for every request that received tokens or finished, failed ones too."""
+        events, self._events = self._events, []
+        for (request, chunk), done in zip(self.planned.chunks, result.prefill, strict=False):
+            if done is not None and not request.finished:
+                self._prefilled(request, chunk, done, events)
+        if result.decode is not None:
+            for slot, request in self.planned.decoding.items():
+                if request.finished or self.running.get(slot) is not request:
+                    continue  # finished by its first token, failed or cancelled meanwhile
+                n_acc = result.decode.accepted[slot]
+                try:
+                    request.record_step(n_acc)
+                    emitted = result.decode.tokens[slot][: n_acc + 1]
+                    events.append((request, request.accept(emitted, result.decode.logprobs.get(slot))))
+                except Exception as error:
+                    self.failed("decode output", error, [request])
+                    continue
+                if request.finished:
+                    self._free(slot)
+        return events + self.take_events()
+
+    def _prefilled(self, request: Request, chunk: PrefillChunk, done, events: Events) -> None:
+        request.computed = chunk.end
+        self.prefilled_tokens += len(chunk.tokens)
+        if done.prompt_logprobs is not None and not request.prompt_logprobs_done:
+            request.add_prompt_logprobs(done.prompt_logprobs)
+        if done.first is None:
+            return
+        sequence, request.prefill_ids = request.prefill_ids, None
+        assert sequence is not None
+        if self.prefix_caching:
+            self.tables[chunk.slot].cache_prompt([*sequence, done.first], len(sequence))
+        try:
+            if request.params.max_tokens == 0:
+                request.end_prefill_only()
+                events.append((request, ""))
+            else:
+                logprobs = None if done.logprob is None else [done.logprob]
+                events.append((request, request.accept([done.first], logprobs)))
         except Exception as error:
-            self._failed("decode step", error, list(self.running.values()), events)
-            return True
+            self.failed("prefill", error, [request])
+            return
+        if request.finished:
+            self._free(chunk.slot)
+
+    def take_events(self) -> Events:
+        events, self._events = self._events, []
+        return events
+
+    def take_released(self) -> tuple[int, ...]:
+        """Slots freed since the last plan, for a plan of their own (recovery after a failed stage)."""
+        released, self._released = tuple(self._released), []
+        return released
+
+    def planned_requests(self, stage: str) -> list[Request]:
+        """The requests a stage of the last plan ran: "prefill" (its chunks') or "decode step"."""
+        if stage == "prefill":
+            return [r for r, _ in self.planned.chunks]
+        return list(self.planned.decoding.values())
+
+    # ---- ending requests ----
 
     def _preempt(self, request: Request) -> None:
         """Gives the request's blocks back; it waits first in the queue to be prefilled again."""
         assert request.slot is not None
-        del self.running[request.slot]
-        self.runner.release(request.slot)
+        self._free(request.slot)
         request.slot, request.prefill_ids = None, None
         if not request.prompt_logprobs_done:  # its prefill starts over at the first token
             request.prompt_logprobs.clear()
@@ -225,46 +325,30 @@ class Scheduler:
         log.info("preempted a request at %d tokens: the KV pool is full", request.position + 1)
 
     def _too_large(self, tokens: int) -> str:
-        pool = self.runner.pool
         return (
             f"a request of {tokens} tokens needs more KV blocks than the pool has "
-            f"({pool.num_blocks} blocks of {pool.block_size} positions); raise kv_cache_memory"
+            f"({self.pool.num_blocks} blocks of {self.pool.block_size} positions); raise kv_cache_memory"
         )
 
-    def _decode(self, events: Events) -> None:
-        decoding = self._decoding()
-        rows = batch_bucket(max(decoding) + 1, self.runner.slots)
-        last_position = max(r.position for r in decoding.values())
-        try:
-            out = self.runner.decode(rows, last_position)
-        except Exception as error:
-            self._failed("decode step", error, list(decoding.values()), events)
-            return
-        for slot, request in decoding.items():
-            try:
-                *emitted, n_acc = out.tokens[slot]
-                request.record_step(n_acc)
-                events.append((request, request.accept(emitted[: n_acc + 1], out.logprobs.get(slot))))
-            except Exception as error:
-                self._failed("decode output", error, [request], events)
-                continue
-            if request.finished:
-                self._free(slot)
+    def _fail(self, request: Request, message: str) -> None:
+        self.fail(request, message)
+        self._events.append((request, ""))
 
     def cancel(self, request: Request) -> None:
         self._remove(request)
         request.cancel()
 
     def fail(self, request: Request, message: str) -> None:
-        """Ends an unfinished request with finish_reason "error": out of the queue, or out of its slot
-        (freed on the device unless the device is unusable)."""
+        """Ends an unfinished request with finish_reason "error": out of the queue, or out of its slot."""
         if request.finished:
             return
         self._remove(request)
         request.fail(message)
 
-    def _failed(self, stage: str, error: Exception, requests: Iterable[Request], events: Events) -> None:
-        """Fails `requests` for `error` (every request when it left the device unusable)."""
+    def failed(self, stage: str, error: BaseException, requests: Iterable[Request]) -> None:
+        """Fails `requests` for `error` ("prefill failed: OutOfMemoryError: ..."), every request when the
+        error left the device unusable (failures.device_unusable: new ones are refused from then on);
+        their events come with the next update."""
         message = describe(stage, error)
         log.error("%s; failing the requests in it", message, exc_info=error)
         if device_unusable(error):
@@ -273,18 +357,17 @@ class Scheduler:
         for request in dict.fromkeys(requests):
             if not request.finished:
                 self.fail(request, message)
-                events.append((request, ""))
+                self._events.append((request, ""))
 
     def _remove(self, request: Request) -> None:
-        """Takes an unfinished request out of the queue or its slot; a slot is freed on the device."""
+        """Takes an unfinished request out of the queue or its slot."""
         if request in self.waiting:
             self.waiting.remove(request)
-        elif request.slot is not None and not request.finished:
-            if self.running.get(request.slot) is request:
-                del self.running[request.slot]
-            if self.unusable is None:
-                self.runner.release(request.slot)
+        elif request.slot is not None and not request.finished and self.running.get(request.slot) is request:
+            self._free(request.slot)
 
     def _free(self, slot: int) -> None:
         del self.running[slot]
-        self.runner.release(slot)
+        self.tables[slot].release()
+        self._tables = [u for u in self._tables if u.slot != slot]  # not written for a slot gone already
+        self._released.append(slot)

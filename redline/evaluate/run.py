@@ -70,8 +70,8 @@ def prompt(tokenizer: Tokenizer, task: Task) -> str | list[int]:
 
 
 def log_probs(llm: LLM, windows: list[torch.Tensor]) -> list[torch.Tensor]:
-    """[T, V] fp32 per window of T + 1 tokens (through the runner: every tensor-parallel rank joins)."""
-    return [llm.runner.log_probs(window.tolist()) for window in windows]
+    """[T, V] fp32 per window of T + 1 tokens (every tensor-parallel rank joins)."""
+    return [llm.log_probs(window.tolist()) for window in windows]
 
 
 def evaluate(
@@ -85,7 +85,7 @@ def evaluate(
 ) -> list[dict]:
     rows, base_lp, base_tokens = [], None, None
     for config in configs:
-        llm = LLM(config.model_dir, dtype=config.dtype, device=device, max_batch=8, draft=config.draft,
+        llm = LLM(config.model_dir, dtype=config.dtype, device=device, max_num_seqs=8, draft=config.draft,
                   tensor_parallel_size=tensor_parallel_size)  # fmt: skip
         samples = text_windows(llm.tokenizer, texts, window_len, windows)
         lp = log_probs(llm, samples)

@@ -29,9 +29,9 @@ import triton.language as tl
 from torch.library import triton_op
 from triton.language.extra.cuda import gdc_wait
 
-from redline.engine.kv_cache import gather_blocks
+from redline.kernels.attention_core import sdpa_attention
 from redline.kernels.launch import is_interpreted, traceable
-from redline.layers.reduced_attention import sdpa_attention
+from redline.kernels.paged_kv import gather_blocks
 
 
 def decode_attention_reference(
@@ -39,7 +39,7 @@ def decode_attention_reference(
     k_cache: torch.Tensor,  # [blocks, Hkv, BLOCK, D]
     v_cache: torch.Tensor,
     positions: torch.Tensor,  # [B, T] absolute positions of the queries
-    tables: torch.Tensor,  # [B, blocks per sequence] int32 (engine/kv_cache.py)
+    tables: torch.Tensor,  # [B, blocks per sequence] int32 (kernels/paged_kv.py)
     kv_len: int,
     chunk: int = 0,  # attention chunk size (0: none)
 ) -> torch.Tensor:  # [B, T, Hq, D]

@@ -90,3 +90,17 @@ def add_rms_norm_op(
         BLOCK=triton.next_power_of_2(n),
     )
     return out, res_out, q, scale
+
+
+def fused_add_norm(
+    attended: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:  # [..., H] each -> (normed, residual + attended)
+    """The decoder's post-attention boundary, residual add + RMSNorm, as one kernel over the flat rows."""
+    shape = attended.shape
+    out, total, _ = add_rms_norm(
+        attended.reshape(-1, shape[-1]).contiguous(),
+        residual.reshape(-1, shape[-1]).contiguous(),
+        weight,
+        eps,
+    )
+    return out.view(shape), total.view(shape)

@@ -1,24 +1,21 @@
-"""Grouped-query attention over a block KV cache (engine/kv_cache.py), with Llama 4's per-layer variations."""
+"""Grouped-query attention over a paged KV cache (kernels/paged_kv.py), with Llama 4's per-layer
+variations."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from redline.config import ModelConfig
-from redline.engine.kv_cache import BLOCK, gather_blocks, kv_bucket
+from redline.kernels.attention_core import STEP_QUERIES
+from redline.kernels.paged_kv import BLOCK, gather_blocks, kv_bucket
+from redline.layers.backends import TORCH, Backends, backend_name
 from redline.layers.linear import Linear
 from redline.layers.norm import rms_normalize
-from redline.layers.reduced_attention import STEP_QUERIES, sdpa_attention
 from redline.layers.rotary import Rotary
 from redline.quant.fp8 import FP8, FP8_MAX
-
-# (q [B, T, Hq, D], k_cache, v_cache [blocks, Hkv, BLOCK, D], positions [B, T], tables [B, n] int32, kv_len,
-#  chunk) -> [B, T, Hq, D]: attention of the T queries over positions [0, kv_len) of their block tables
-CachedAttention = Callable[..., torch.Tensor]
 
 
 @dataclass
@@ -93,29 +90,34 @@ torch.utils._pytree.register_dataclass(AttentionBatch)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary, in_features: int | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer: int,
+        rotary: Rotary,
+        in_features: int | None = None,
+        backends: Backends = TORCH,
+    ):
         super().__init__()
         h, hd = in_features or config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, hd
-        bias = config.attention_bias
-        self.q_proj = Linear(h, config.num_heads * hd, bias=bias)
-        self.k_proj = Linear(h, config.num_kv_heads * hd, bias=bias)
-        self.v_proj = Linear(h, config.num_kv_heads * hd, bias=bias)
-        self.o_proj = Linear(config.num_heads * hd, config.hidden_size, bias=bias)
+        linear = lambda n_in, n_out: Linear(n_in, n_out, config.attention_bias, backends.few_rows)
+        self.q_proj = linear(h, config.num_heads * hd)
+        self.k_proj = linear(h, config.num_kv_heads * hd)
+        self.v_proj = linear(h, config.num_kv_heads * hd)
+        self.o_proj = linear(config.num_heads * hd, config.hidden_size)
         self.rotary = rotary
         self.use_rope = config.is_rope_layer(layer)
         self.chunked = config.is_chunked_layer(layer)
         self.qk_norm_eps = config.rms_norm_eps if (config.use_qk_norm and self.use_rope) else None
         self.temperature_tuning = config.attn_temperature_tuning and not self.use_rope
         self.chunk = config.attention_chunk_size if self.chunked else 0  # for the cached kernels
-        # Cached attention kernels that read the cache themselves; None: SDPA over the cache slice.
-        # kernels.select sets the Triton ones: split-KV for a decode step's few queries, flash-attention
-        # forward for prompts. Which one is a Python branch on the static query count (see forward).
-        self.step_kernel: CachedAttention | None = None
-        self.prefill_kernel: CachedAttention | None = None
-        # (q [B, T, Hq, D], keys, values [B, Hkv, S, D], mask [B or 1, 1, T, S]) -> [B, T, Hq, D];
-        # kernels.select sets layers/reduced_attention.py's form for compiled steps on CPU
-        self.core: Callable[..., torch.Tensor] = sdpa_attention
+        # Cached attention kernels that read the cache themselves (None: the core over the gathered cache):
+        # split-KV for a decode step's few queries, flash-attention forward for prompts. Which one is a
+        # Python branch on the static query count (see forward).
+        self.step_kernel = backends.decode_attention
+        self.prefill_kernel = backends.prefill_attention
+        self.core = backends.attention_core  # over gathered keys and values
 
     def forward(
         self,
@@ -159,6 +161,10 @@ class Attention(nn.Module):
             out[index] = self.core(q[index], keys, values, mask[index, :, :, :length])
         b, t = q.shape[:2]
         return self.o_proj(out.reshape(b, t, -1))
+
+    def extra_repr(self) -> str:
+        kernels = (self.step_kernel, self.prefill_kernel, self.core)
+        return "decode={}, prefill={}, core={}".format(*map(backend_name, kernels))
 
     def project(
         self, x: torch.Tensor, batch: AttentionBatch

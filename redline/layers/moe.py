@@ -2,16 +2,17 @@
 
 Few tokens (decode: N * top_k <= E) gather each row's chosen expert weights. Many tokens (prefill) sort
 the N * top_k (token, choice) pairs by expert and run one grouped GEMM over the contiguous groups
-(layers/grouped_mm.py), so the work is proportional to N * top_k, not to N * E.
+(kernels/grouped_mm.py), so the work is proportional to N * top_k, not to N * E.
 """
 
-from collections.abc import Callable
+from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from redline.layers.grouped_mm import grouped_mm
+from redline.kernels.grouped_mm import grouped_mm
+from redline.layers.backends import TORCH, Backends, backend_name
 from redline.layers.linear import Linear
 from redline.layers.mlp import MLP
 from redline.parallel.group import SINGLE, TensorParallel
@@ -80,21 +81,32 @@ def routed_sorted(
 
 
 class MoE(nn.Module):
-    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, tp: TensorParallel = SINGLE):
+    def __init__(
+        self,
+        hidden: int,
+        inter: int,
+        num_experts: int,
+        top_k: int,
+        tp: TensorParallel = SINGLE,
+        backends: Backends = TORCH,
+    ):
         """inter: this rank's expert width (parallel/sharding.local_config). With tp.expert_parallel this
         rank holds experts [r E/N, (r + 1) E/N) whole and a 1/N block of the shared expert's width; many
         tokens (prefill) run only the pairs that chose this rank's experts, few tokens (decode, fixed
         shapes for CUDA graphs) run every row, other ranks' choices at weight 0."""
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
-        self.router = Linear(hidden, num_experts, bias=False)
+        self.router = Linear(hidden, num_experts, False, backends.few_rows)
         local = num_experts // tp.size if tp.expert_parallel else num_experts
         self.first_expert = tp.rank * local if tp.expert_parallel else 0
         self.experts = Experts(local, hidden, inter)
-        self.shared_expert = MLP(hidden, inter // tp.size if tp.expert_parallel else inter)
-        # kernels.select may set a top-1 dispatch kernel for few tokens:
+        self.shared_expert = MLP(hidden, inter // tp.size if tp.expert_parallel else inter, backends=backends)
+        # a top-1 dispatch kernel for few tokens, reading only the chosen experts' weights:
         # (x [N, H], expert [N], weight [N], gate_up [E, H, 2I], down [E, I, H]) -> [N, H]
-        self.top1: Callable[..., torch.Tensor] | None = None
+        self.top1 = backends.moe_top1 if top_k == 1 else None
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, top_k={self.top_k}, few_tokens={backend_name(self.top1)}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., hidden]
         shape = x.shape

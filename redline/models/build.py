@@ -1,4 +1,4 @@
-"""Build a target model from a Hugging Face checkpoint directory."""
+"""Build a target model (and its EAGLE-3 draft) from Hugging Face checkpoint directories."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ from pathlib import Path
 import torch
 
 from redline.config import ModelConfig
+from redline.layers.backends import TORCH, Backends
+from redline.models.eagle3 import Eagle3Draft, aux_layers_of, load_draft
 from redline.models.expert_layout import per_expert_part, rank_part
 from redline.models.llama import LlamaForCausalLM
 from redline.models.loader import Part, load_weights
+from redline.models.quantize import HIGH_PRECISION, QuantizeOnLoad, fp8_skeleton
 from redline.parallel import sharding
 from redline.parallel.group import SINGLE, TensorParallel
-from redline.quant.convert import HIGH_PRECISION, QuantizeOnLoad, fp8_skeleton
 from redline.quant.fp8 import scaled_mm_available
 from redline.quant.scheme import Fp8Scheme, fp8_scheme
 
@@ -51,7 +53,25 @@ def module_key_to_checkpoint_key(config: ModelConfig, key: str) -> str:
     return config.weight_prefix + key
 
 
-def skeleton(model_dir: str | Path, tp: TensorParallel = SINGLE, scaled_mm: bool = False) -> LlamaForCausalLM:
+def _check_quantization(quantization: str | None) -> None:
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"unknown quantization {quantization!r}; choose fp8")
+
+
+def fp8_weights(model_dir: str | Path, quantization: str | None) -> bool:
+    """Whether the decoder's linears will hold FP8 weights: an FP8 checkpoint, or quantization on load."""
+    _check_quantization(quantization)
+    config = ModelConfig.from_dir(model_dir)
+    return quantization == "fp8" or fp8_scheme(config.raw, str(Path(model_dir) / "config.json")) is not None
+
+
+def skeleton(
+    model_dir: str | Path,
+    tp: TensorParallel = SINGLE,
+    scaled_mm: bool = False,
+    backends: Backends = TORCH,
+    aux_layers: tuple[int, ...] = (),
+) -> LlamaForCausalLM:
     """Rank tp.rank's model on the meta device, without weights: its shard's shapes, and FP8 modules
     where the checkpoint's quantization_config puts them."""
     config = ModelConfig.from_dir(model_dir)
@@ -59,7 +79,7 @@ def skeleton(model_dir: str | Path, tp: TensorParallel = SINGLE, scaled_mm: bool
     if tp.size > 1:
         config = sharding.local_config(config, tp.size, tp.expert_parallel)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, tp)
+        model = LlamaForCausalLM(config, tp, backends, aux_layers)
         if scheme is not None:
             fp8_skeleton(model, scheme, scaled_mm, functools.partial(module_key_to_checkpoint_key, config))
     return model
@@ -71,13 +91,15 @@ def load_target(
     device: str | torch.device = "cpu",
     quantization: str | None = None,
     tp: TensorParallel = SINGLE,
+    backends: Backends = TORCH,
+    aux_layers: tuple[int, ...] = (),
 ) -> LlamaForCausalLM:
     """With tp.size > 1 this process builds and reads only rank tp.rank's shard (parallel/sharding.py).
     quantization "fp8" quantizes a high-precision checkpoint while loading (each decoder linear and
     expert module as soon as its weights are read, so the high-precision model never sits in memory whole);
-    FP8 checkpoints load as FP8 whatever it says."""
-    if quantization not in (None, "fp8"):
-        raise ValueError(f"unknown quantization {quantization!r}; choose fp8")
+    FP8 checkpoints load as FP8 whatever it says. backends: what runs in the layers (layers/backends.py);
+    aux_layers: the hidden states an EAGLE-3 draft reads (models/eagle3.aux_layers_of)."""
+    _check_quantization(quantization)
     whole = ModelConfig.from_dir(model_dir)
     shard_of = None
     if tp.size > 1:
@@ -85,7 +107,7 @@ def load_target(
             sharding.shard_of, whole, rank=tp.rank, size=tp.size, expert_parallel=tp.expert_parallel
         )
     scaled_mm = scaled_mm_available(torch.device(device))
-    model = skeleton(model_dir, tp, scaled_mm)
+    model = skeleton(model_dir, tp, scaled_mm, backends, aux_layers)
     config, scheme = model.config, fp8_scheme(whole.raw)
     hook = None
     if scheme is None and quantization == "fp8":
@@ -101,6 +123,21 @@ def load_target(
         hook=hook,
         shard_of=shard_of,
     )
-    model.tie_weights()
+    model.finish_loading()
     model.model.rotary.materialize(torch.device(device))
     return model.eval()
+
+
+def load_with_draft(
+    target_dir: str | Path,
+    draft_dir: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    quantization: str | None = None,
+    tp: TensorParallel = SINGLE,
+    backends: Backends = TORCH,
+) -> tuple[LlamaForCausalLM, Eagle3Draft]:
+    """The target built with the hidden states the draft reads (aux_layers_of), then the draft over it."""
+    aux = aux_layers_of(draft_dir, ModelConfig.from_dir(target_dir).num_layers)
+    target = load_target(target_dir, dtype, device, quantization, tp, backends, aux)
+    return target, load_draft(draft_dir, target, dtype, device, backends)

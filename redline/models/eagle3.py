@@ -24,6 +24,7 @@ from torch import nn
 
 from redline.config import ConfigError, ModelConfig, llama_layer_config
 from redline.layers.attention import Attention, AttentionBatch
+from redline.layers.backends import TORCH, Backends
 from redline.layers.linear import Linear
 from redline.layers.mlp import MLP
 from redline.layers.norm import RMSNorm
@@ -86,13 +87,15 @@ class Eagle3Config:
 
 
 class Eagle3Layer(nn.Module):
-    def __init__(self, config: Eagle3Config, rotary: Rotary, tp: TensorParallel = SINGLE):
+    def __init__(
+        self, config: Eagle3Config, rotary: Rotary, tp: TensorParallel = SINGLE, backends: Backends = TORCH
+    ):
         super().__init__()
         c = config.layer
         self.tp = tp  # attention and the MLP each return a partial sum over ranks: all-reduced in finish
         self.norm_before_residual = config.norm_before_residual
-        self.self_attn = Attention(c, 0, rotary, in_features=2 * c.hidden_size)
-        self.mlp = MLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.self_attn = Attention(c, 0, rotary, 2 * c.hidden_size, backends)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size, c.mlp_bias, backends)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -120,31 +123,33 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Draft(nn.Module):
-    def __init__(self, config: Eagle3Config, tp: TensorParallel = SINGLE):
-        """With tp.size > 1, config.layer is this rank's shard of the layer (`Eagle3Config.local`)."""
+    def __init__(
+        self,
+        config: Eagle3Config,
+        tp: TensorParallel = SINGLE,
+        backends: Backends = TORCH,
+        target_embedding: nn.Module | None = None,
+    ):
+        """With tp.size > 1, config.layer is this rank's shard of the layer (`Eagle3Config.local`).
+        target_embedding: the target's embeddings, which the draft reads unless it gets its own
+        (`embed_tokens`, from a checkpoint that ships them)."""
         super().__init__()
         c = config.layer
         self.config, self.tp = config, tp
         self.rotary = Rotary(c.rope, c.head_dim, interleaved=False)
-        self.fc = Linear(
-            len(config.aux_layers or (0, 0, 0)) * config.target_hidden_size, c.hidden_size, bias=False
-        )
-        self.midlayer = Eagle3Layer(config, self.rotary, tp)
+        fc_in = len(config.aux_layers or (0, 0, 0)) * config.target_hidden_size
+        self.fc = Linear(fc_in, c.hidden_size, False, backends.few_rows)
+        self.midlayer = Eagle3Layer(config, self.rotary, tp, backends)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.lm_head = Linear(c.hidden_size, vocab_block(config.draft_vocab_size, tp.size), bias=False)
+        self.lm_head = Linear(
+            c.hidden_size, vocab_block(config.draft_vocab_size, tp.size), False, backends.few_rows
+        )
         # d2t[i]: draft id i is target id i + d2t[i]; t2d[j]: target id j is in the draft vocabulary
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.ones(c.vocab_size, dtype=torch.bool))
         self.embed_tokens: nn.Embedding | None = None  # own embeddings if the checkpoint has them
-        self._target_embed: list[nn.Embedding] = []  # else the target's (a list keeps it out of state_dict)
-
-    def attach(self, target: LlamaForCausalLM) -> None:
-        """Shares the target's embeddings (and lm_head when the draft ships none) and sets the aux layers."""
-        self._target_embed = [target.model.embed_tokens]
-        target.aux_layers = self.aux_layers(target.config.num_layers)
-
-    def aux_layers(self, target_layers: int) -> tuple[int, ...]:
-        return self.config.aux_layers or default_aux_layers(target_layers)
+        # else the target's (a list keeps it out of state_dict)
+        self._target_embed = [] if target_embedding is None else [target_embedding]
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         table = self.embed_tokens if self.embed_tokens is not None else self._target_embed[0]
@@ -187,17 +192,34 @@ def _rename_draft_key(key: str) -> str:
     return key.removeprefix("model.")
 
 
+def aux_layers_of(draft_dir: str | Path, target_layers: int) -> tuple[int, ...]:
+    """The target hidden states a draft reads (its config's, or default_aux_layers): build the target with
+    them (LlamaForCausalLM's aux_layers) before load_draft."""
+    return Eagle3Config.from_dir(draft_dir).aux_layers or default_aux_layers(target_layers)
+
+
 def load_draft(
-    draft_dir: str | Path, target: LlamaForCausalLM, dtype: torch.dtype, device: str | torch.device = "cpu"
+    draft_dir: str | Path,
+    target: LlamaForCausalLM,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    backends: Backends = TORCH,
 ) -> Eagle3Draft:
-    """Loads an EAGLE-3 checkpoint for `target` and attaches it (embeddings, aux layers): safetensors, or
-    pytorch_model.bin (sharded or not) as the original EAGLE-3 releases ship (yuhuili/EAGLE3-*)."""
+    """Loads an EAGLE-3 checkpoint for `target` (built with the draft's aux layers, aux_layers_of), reading
+    the target's embeddings (and lm_head when the draft ships none): safetensors, or pytorch_model.bin
+    (sharded or not) as the original EAGLE-3 releases ship (yuhuili/EAGLE3-*)."""
     config, tp = Eagle3Config.from_dir(draft_dir), target.tp
     keys = {_rename_draft_key(k) for k in checkpoint_files(Path(draft_dir))}
     own_embeddings, own_head = "embed_tokens.weight" in keys, "lm_head.weight" in keys
     _check_fits(config, target.config, draft_dir, own_embeddings, own_head)
+    wanted = config.aux_layers or default_aux_layers(target.config.num_layers)
+    if target.aux_layers != wanted:
+        raise ConfigError(
+            f"draft {draft_dir} reads the target's hidden states {wanted}, but the target was built with "
+            f"aux_layers {target.aux_layers}: build it with aux_layers_of(draft_dir, num_layers)"
+        )
     with torch.device("meta"):
-        draft = Eagle3Draft(config.local(tp.size), tp)
+        draft = Eagle3Draft(config.local(tp.size), tp, backends, target.model.embed_tokens)
         if own_embeddings:
             draft.embed_tokens = VocabParallelEmbedding(config.layer.vocab_size, config.layer.hidden_size, tp)
     optional = ["d2t", "t2d", "lm_head.weight"]
@@ -218,7 +240,7 @@ def load_draft(
     draft.d2t = draft.d2t.long()
     draft.t2d = draft.t2d.bool()
     draft.rotary.materialize(torch.device(device))
-    draft.attach(target)
+    draft.midlayer.mlp.fuse_gate_up()
     _check_aux_width(draft, target, draft_dir)
     return draft.eval()
 

@@ -6,13 +6,14 @@ Llama 4's `feed_forward` is called `mlp` here; the loader maps the names.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from redline.config import ModelConfig
 from redline.layers.attention import Attention, AttentionBatch
+from redline.layers.backends import TORCH, Backends, backend_name
 from redline.layers.linear import Linear
 from redline.layers.mlp import MLP
 from redline.layers.moe import MoE
@@ -25,24 +26,21 @@ KVLayer = tuple[torch.Tensor, torch.Tensor]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary, tp: TensorParallel):
+    def __init__(
+        self, config: ModelConfig, layer: int, rotary: Rotary, tp: TensorParallel, backends: Backends = TORCH
+    ):
         super().__init__()
         self.tp = tp  # with N ranks, attention and the MLP each return a partial sum: all-reduced here
         h = config.hidden_size
-        self.self_attn = Attention(config, layer, rotary)
+        self.self_attn = Attention(config, layer, rotary, backends=backends)
         self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
         if layer in config.moe_layers:
-            self.mlp: nn.Module = MoE(
-                h, config.expert_intermediate_size, config.num_experts, config.num_experts_per_tok, tp
-            )
+            experts = (config.expert_intermediate_size, config.num_experts, config.num_experts_per_tok)
+            self.mlp: nn.Module = MoE(h, *experts, tp, backends)
         else:
-            self.mlp = MLP(h, config.intermediate_size, bias=config.mlp_bias)
-        # (attention output, residual, norm) -> (normed, new residual); kernels.select sets the fused one
-        self.add_norm: (
-            Callable[[torch.Tensor, torch.Tensor, RMSNorm], tuple[torch.Tensor, torch.Tensor]] | None
-        )
-        self.add_norm = None
+            self.mlp = MLP(h, config.intermediate_size, config.mlp_bias, backends)
+        self.add_norm = backends.add_norm  # None: torch's add, then the norm module
 
     def forward(self, x: torch.Tensor, batch: AttentionBatch, cache: KVLayer | None) -> torch.Tensor:
         normed, x = self.reduce_add_norm(self.self_attn(self.input_layernorm(x), batch, cache), x)
@@ -54,13 +52,17 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor,  # [B, T, hidden]
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (normed for the MLP, the new residual)
         """The boundary after attention as one op: all-reduce, residual add, RMSNorm. Composed today from
-        the all-reduce and the fused add + RMSNorm (kernels.select); a fused multi-GPU kernel can replace
-        it here without touching the rest of the model."""
+        the all-reduce and the add + RMSNorm (one kernel on CUDA: layers/backends.py); a fused multi-GPU
+        kernel can replace it here without touching the rest of the model."""
         attended = self.tp.all_reduce(partial)
+        norm = self.post_attention_layernorm
         if self.add_norm is not None:
-            return self.add_norm(attended, residual, self.post_attention_layernorm)
+            return self.add_norm(attended, residual, norm.weight, norm.eps)
         residual = residual + attended
-        return self.post_attention_layernorm(residual), residual
+        return norm(residual), residual
+
+    def extra_repr(self) -> str:
+        return f"add_norm={backend_name(self.add_norm)}"
 
 
 @torch.compiler.nested_compile_region
@@ -74,31 +76,45 @@ def run_layer(
 
 
 class Decoder(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel):
+    def __init__(self, config: ModelConfig, tp: TensorParallel, backends: Backends):
         super().__init__()
         self.rotary = Rotary(config.rope, config.head_dim, config.rope_interleaved)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        layers = (DecoderLayer(config, i, self.rotary, tp) for i in range(config.num_layers))
+        layers = (DecoderLayer(config, i, self.rotary, tp, backends) for i in range(config.num_layers))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE):
-        """With tp.size > 1, config is this rank's shard of the model (parallel/sharding.local_config)."""
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp: TensorParallel = SINGLE,
+        backends: Backends = TORCH,
+        aux_layers: Sequence[int] = (),
+    ):
+        """With tp.size > 1, config is this rank's shard of the model (parallel/sharding.local_config).
+        aux_layers: the hidden states an EAGLE-3 draft reads, by the published configs' convention: id i is
+        the input of layer i (the output of layer i - 1; id num_layers is the last layer's output before
+        the final norm)."""
         super().__init__()
-        self.config, self.tp = config, tp
-        self.model = Decoder(config, tp)
-        self.lm_head = Linear(config.hidden_size, vocab_block(config.vocab_size, tp.size), bias=False)
-        # EAGLE-3 aux hidden states, by the published configs' convention: id i is the input of layer i
-        # (the output of layer i - 1; id num_layers is the last layer's output before the final norm).
-        self.aux_layers: tuple[int, ...] = ()
-        # decoder layers through run_layer (nested compile regions); kernels.select sets it for CPU compiles
-        self.layer_regions = False
+        self.config, self.tp, self.aux_layers = config, tp, tuple(aux_layers)
+        self.model = Decoder(config, tp, backends)
+        self.lm_head = Linear(
+            config.hidden_size, vocab_block(config.vocab_size, tp.size), False, backends.few_rows
+        )
+        self.layer_regions = backends.layer_regions  # decoder layers through run_layer: compile regions
 
-    def tie_weights(self) -> None:
+    def finish_loading(self) -> None:
+        """After the weights are in: a tied lm_head shares the embedding, and dense MLPs with a SwiGLU kernel
+        multiply gate and up as one weight."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, MLP):
+                layer.mlp.fuse_gate_up()
+            elif isinstance(layer.mlp, MoE):
+                layer.mlp.shared_expert.fuse_gate_up()
 
     def forward(
         self,

@@ -51,7 +51,7 @@ ShardOf = Callable[[str], Shard | None]  # module key -> what this rank reads of
 
 
 class LoadHook(Protocol):
-    """Lets a caller transform modules while they load (quantization on load, quant/convert.py)."""
+    """Lets a caller transform modules while they load (quantization on load, models/quantize.py)."""
 
     def dtype(self, module_key: str, on_disk: torch.dtype, default: torch.dtype) -> torch.dtype:
         """The dtype a tensor is installed in; `default` is what the loader would pick."""

@@ -47,6 +47,15 @@ class TensorParallel:
             return x
         return funcol.wait_tensor(funcol.broadcast(x, 0, self.group))
 
+    def min_int(self, value: int) -> int:
+        """The smallest of every rank's value (value itself on one rank): what all ranks can agree on,
+        such as the KV pool's size when each rank measured its own memory."""
+        if self.size == 1:
+            return value
+        device = "cuda" if dist.get_backend(self.group) == "nccl" else "cpu"
+        x = torch.tensor([value], dtype=torch.int64, device=device)
+        return int(funcol.wait_tensor(funcol.all_reduce(x, "min", self.group)).item())
+
     @classmethod
     def current(cls, expert_parallel: bool = False) -> TensorParallel:
         """The default process group as the tensor-parallel group (one rank when none is initialized)."""

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from redline.layers.grouped_mm import loop_over_groups
+from redline.kernels.grouped_mm import loop_over_groups
 from redline.quant.fp8 import FP8, dequantize, quantize_per_expert
 
 
@@ -26,7 +26,7 @@ def fp8_grouped_mm(
     scale: torch.Tensor,  # [E, 1, N] fp32, per output channel
     offs: torch.Tensor,  # [E] int32 group ends, offs[E-1] == M
 ) -> torch.Tensor:  # [M, N]
-    """Rows offs[e-1]:offs[e] times expert e's FP8 weight, for each expert with rows (layers/grouped_mm.py,
+    """Rows offs[e-1]:offs[e] times expert e's FP8 weight, for each expert with rows (kernels/grouped_mm.py,
     `loop_over_groups`): the weight cast to x's dtype (exact: e4m3 values are bf16 values), its scale
     applied to the product's columns, x @ (q * s) = (x @ q) * s. One cast [K, N] weight at a time."""
 

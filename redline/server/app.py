@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -22,7 +22,14 @@ from redline.engine.request import Completion
 from redline.server.engine_loop import EngineLoop, EngineUnavailable, Event, QueueFull
 from redline.server.errors import APIError, internal
 from redline.server.metrics import Metrics
-from redline.server.protocol import Parsed, parse_detokenize, parse_json, parse_request, parse_tokenize
+from redline.server.protocol import (
+    Parsed,
+    TokenizeChat,
+    parse_detokenize,
+    parse_json,
+    parse_request,
+    parse_tokenize,
+)
 from redline.server.responses import Choice, Responder, error_event, sse
 from redline.server.schema import openapi_schema
 from redline.tokenizer import TokenizerError
@@ -46,9 +53,10 @@ class Server:
         self.created = int(time.time())
 
     def _gauges(self, engine: EngineLoop) -> None:
+        stats = engine.stats()
         self.metrics.queue_depth.set(engine.queue_depth)
-        self.metrics.slots_in_use.set(engine.slots_in_use)
-        self.metrics.count_prefix_cache(self.llm.runner.pool.stats)
+        self.metrics.slots_in_use.set(stats.running)
+        self.metrics.count_prefix_cache(stats.prefix_cache)
 
     def check_key(self, http: Request) -> None:
         if self.api_key is None:
@@ -201,133 +209,162 @@ def create_app(server: Server, start_engine: bool = True) -> FastAPI:
     app = FastAPI(
         title="redline", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json"
     )
+    app.state.server = server
     app.openapi = lambda: openapi_schema(
-        model=server.model_name, max_model_len=server.llm.max_seq_len, vocab_size=server.llm.config.vocab_size
+        model=server.model_name,
+        max_model_len=server.llm.max_seq_len,
+        vocab_size=server.llm.model_config.vocab_size,
     )
-
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), e.status, headers=e.headers)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(_: Request, e: HTTPException) -> JSONResponse:
-        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), e.status_code, headers=e.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-        return JSONResponse(APIError(400, str(e)).body(), 400)
-
-    @app.exception_handler(Exception)
-    async def unexpected_error(_: Request, e: Exception) -> JSONResponse:
-        """A 500 JSON error for a bug outside generate(); Starlette re-raises it, and uvicorn logs it."""
-        return JSONResponse(internal(e).body(), 500)
-
-    @app.get("/health")
-    async def health() -> Response:
-        """200 while the engine loop runs on a usable device; 503 with the reason otherwise."""
-        problem = server.engine.problem()
-        if problem is not None:
-            error = unavailable(problem)
-            return JSONResponse({"status": "unhealthy"} | error.body(), error.status)
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def models(http: Request) -> dict:
-        server.check_key(http)
-        card = {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "redline",
-                "max_model_len": server.llm.max_seq_len}  # fmt: skip
-        return {"object": "list", "data": [card]}
-
-    @app.post("/tokenize")
-    async def tokenize(http: Request) -> dict:
-        """vLLM's /tokenize: a prompt's (or chat's) token ids, their count and the context window."""
-        server.check_key(http)
-        parsed = parse_tokenize(parse_json(await server.read_body(http)), server.model_name)
-        tokenizer = server.llm.tokenizer
-        if parsed.messages is not None:
-            ids = await asyncio.to_thread(server.chat_ids, parsed.messages, parsed.add_generation_prompt)
-        else:
-            ids = await asyncio.to_thread(tokenizer.encode, parsed.prompt, parsed.add_special_tokens)
-        return {"count": len(ids), "max_model_len": server.llm.max_seq_len, "tokens": ids}
-
-    @app.post("/detokenize")
-    async def detokenize(http: Request) -> dict:
-        """vLLM's /detokenize: token ids back to text."""
-        server.check_key(http)
-        data = parse_json(await server.read_body(http))
-        tokens = parse_detokenize(data, server.model_name, server.llm.config.vocab_size)
-        return {"prompt": server.llm.tokenizer.decode(tokens)}
-
-    async def generate(http: Request, chat: bool) -> Response:
-        try:
-            return await respond(http, chat)
-        except APIError:
-            raise
-        except Exception as e:  # a bug: logged here, the client gets a 500 JSON error
-            log.exception("%s %s failed", http.method, http.url.path)
-            raise internal(e) from e
-
-    async def respond(http: Request, chat: bool) -> Response:
-        server.check_key(http)
-        data = parse_json(await server.read_body(http))
-        llm = server.llm
-        parsed = parse_request(data, chat, server.model_name, llm.max_seq_len, llm.config.vocab_size)
-        choices = await asyncio.to_thread(server.choices, parsed)
-        events = server.submit(choices)
-        responder = Responder(chat, server.model_name, llm.tokenizer)
-        if parsed.stream:
-            return StreamingResponse(
-                stream(choices, events, responder, parsed.include_usage), media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )  # fmt: skip
-        completions = await collect(http, choices, events)
-        return JSONResponse(responder.full(choices, completions))
-
-    async def collect(
-        http: Request, choices: list[Choice], events: asyncio.Queue[tuple[Choice, Event]]
-    ) -> list[Completion]:
-        """Every choice's completion, in choice order; a failed one fails the response (500)."""
-        done: dict[int, Completion] = {}
-        try:
-            while len(done) < len(choices):
-                try:
-                    choice, event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    if await http.is_disconnected():
-                        raise asyncio.CancelledError from None
-                    continue
-                if event.error:
-                    raise APIError(500, event.error, kind="server_error")
-                if event.completion is not None:
-                    done[choice.index] = event.completion
-            return [done[c.index] for c in choices]
-        finally:
-            server.cancel(choices)
-
-    async def stream(
-        choices: list[Choice], events: asyncio.Queue[tuple[Choice, Event]], responder: Responder,
-        include_usage: bool,
-    ) -> AsyncIterator[str]:  # fmt: skip
-        try:
-            async for piece in sse_events(events, responder, choices, include_usage):
-                yield piece
-        except Exception as e:  # the status line is sent: the error goes in the stream
-            log.exception("streaming a response failed")
-            yield sse(internal(e).body())
-        finally:  # the client went away mid-stream (or a choice failed): free the slots
-            server.cancel(choices)
-        yield "data: [DONE]\n\n"
-
-    @app.post("/v1/completions")
-    async def completions(http: Request) -> Response:
-        return await generate(http, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(http: Request) -> Response:
-        return await generate(http, chat=True)
-
+    for error, handler in ERROR_HANDLERS.items():
+        app.add_exception_handler(error, handler)
+    app.include_router(routes)
     return app
+
+
+async def _api_error(_: Request, e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), e.status, headers=e.headers)
+
+
+async def _http_error(_: Request, e: HTTPException) -> JSONResponse:
+    return JSONResponse(APIError(e.status_code, str(e.detail)).body(), e.status_code, headers=e.headers)
+
+
+async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+    return JSONResponse(APIError(400, str(e)).body(), 400)
+
+
+async def _unexpected_error(_: Request, e: Exception) -> JSONResponse:
+    """A 500 JSON error for a bug outside generate(); Starlette re-raises it, and uvicorn logs it."""
+    return JSONResponse(internal(e).body(), 500)
+
+
+ERROR_HANDLERS = {APIError: _api_error, HTTPException: _http_error, RequestValidationError: _validation_error,
+                  Exception: _unexpected_error}  # fmt: skip
+routes = APIRouter()
+
+
+def _server(http: Request) -> Server:
+    return http.app.state.server
+
+
+@routes.get("/health")
+async def health(http: Request) -> Response:
+    """200 while the engine loop runs on a usable device; 503 with the reason otherwise."""
+    problem = _server(http).engine.problem()
+    if problem is not None:
+        error = unavailable(problem)
+        return JSONResponse({"status": "unhealthy"} | error.body(), error.status)
+    return JSONResponse({"status": "ok"})
+
+
+@routes.get("/metrics")
+async def metrics(http: Request) -> Response:
+    return Response(generate_latest(_server(http).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@routes.get("/v1/models")
+async def models(http: Request) -> dict:
+    server = _server(http)
+    server.check_key(http)
+    card = {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "redline",
+            "max_model_len": server.llm.max_seq_len}  # fmt: skip
+    return {"object": "list", "data": [card]}
+
+
+@routes.post("/tokenize")
+async def tokenize(http: Request) -> dict:
+    """vLLM's /tokenize: a prompt's (or chat's) token ids, their count and the context window."""
+    server = _server(http)
+    server.check_key(http)
+    parsed = parse_tokenize(parse_json(await server.read_body(http)), server.model_name)
+    if isinstance(parsed, TokenizeChat):
+        messages = [m.text() for m in parsed.messages]
+        ids = await asyncio.to_thread(server.chat_ids, messages, parsed.add_generation_prompt is not False)
+    else:
+        special = parsed.add_special_tokens is not False
+        ids = await asyncio.to_thread(server.llm.tokenizer.encode, parsed.prompt, special)
+    return {"count": len(ids), "max_model_len": server.llm.max_seq_len, "tokens": ids}
+
+
+@routes.post("/detokenize")
+async def detokenize(http: Request) -> dict:
+    """vLLM's /detokenize: token ids back to text."""
+    server = _server(http)
+    server.check_key(http)
+    data = parse_json(await server.read_body(http))
+    tokens = parse_detokenize(data, server.model_name, server.llm.model_config.vocab_size)
+    return {"prompt": server.llm.tokenizer.decode(tokens)}
+
+
+@routes.post("/v1/completions")
+async def completions(http: Request) -> Response:
+    return await _generate(http, chat=False)
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(http: Request) -> Response:
+    return await _generate(http, chat=True)
+
+
+async def _generate(http: Request, chat: bool) -> Response:
+    try:
+        return await _respond(_server(http), http, chat)
+    except APIError:
+        raise
+    except Exception as e:  # a bug: logged here, the client gets a 500 JSON error
+        log.exception("%s %s failed", http.method, http.url.path)
+        raise internal(e) from e
+
+
+async def _respond(server: Server, http: Request, chat: bool) -> Response:
+    server.check_key(http)
+    data = parse_json(await server.read_body(http))
+    llm = server.llm
+    parsed = parse_request(data, chat, server.model_name, llm.max_seq_len, llm.model_config.vocab_size)
+    choices = await asyncio.to_thread(server.choices, parsed)
+    events = server.submit(choices)
+    responder = Responder(chat, server.model_name, llm.tokenizer)
+    if parsed.stream:
+        return StreamingResponse(
+            _stream(server, choices, events, responder, parsed.include_usage), media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )  # fmt: skip
+    completions = await _collect(server, http, choices, events)
+    return JSONResponse(responder.full(choices, completions))
+
+
+async def _collect(
+    server: Server, http: Request, choices: list[Choice], events: asyncio.Queue[tuple[Choice, Event]]
+) -> list[Completion]:
+    """Every choice's completion, in choice order; a failed one fails the response (500)."""
+    done: dict[int, Completion] = {}
+    try:
+        while len(done) < len(choices):
+            try:
+                choice, event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await http.is_disconnected():
+                    raise asyncio.CancelledError from None
+                continue
+            if event.error:
+                raise APIError(500, event.error, kind="server_error")
+            if event.completion is not None:
+                done[choice.index] = event.completion
+        return [done[c.index] for c in choices]
+    finally:
+        server.cancel(choices)
+
+
+async def _stream(
+    server: Server, choices: list[Choice], events: asyncio.Queue[tuple[Choice, Event]], responder: Responder,
+    include_usage: bool,
+) -> AsyncIterator[str]:  # fmt: skip
+    try:
+        async for piece in sse_events(events, responder, choices, include_usage):
+            yield piece
+    except Exception as e:  # the status line is sent: the error goes in the stream
+        log.exception("streaming a response failed")
+        yield sse(internal(e).body())
+    finally:  # the client went away mid-stream (or a choice failed): free the slots
+        server.cancel(choices)
+    yield "data: [DONE]\n\n"

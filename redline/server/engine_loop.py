@@ -21,12 +21,12 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from redline.engine.failures import DeviceUnusableError, RankLostError
+from redline.engine.core import EngineStats
 from redline.engine.llm import LLM
 from redline.engine.request import Completion, Request
 from redline.engine.scheduler import Events
+from redline.failures import DeviceUnusableError
 from redline.logprobs import TokenLogprob
-from redline.parallel.workers import ParallelRunner
 
 log = logging.getLogger("redline.server")
 
@@ -84,8 +84,8 @@ class EngineLoop:
     def _refusal(self) -> str | None:
         """Why submit() refuses requests: the loop ended, or the device is unusable. (Requests submitted
         before the loop starts wait for it.)"""
-        if self.llm.scheduler.unusable is not None:
-            return f"the device is unusable: {self.llm.scheduler.unusable}"
+        if self.llm.engine.unusable is not None:
+            return f"the device is unusable: {self.llm.engine.unusable}"
         return self._ended
 
     @property
@@ -93,9 +93,9 @@ class EngineLoop:
         """Requests waiting for a slot."""
         return self._pending
 
-    @property
-    def slots_in_use(self) -> int:
-        return len(self.llm.scheduler.running)
+    def stats(self) -> EngineStats:
+        """The engine's counts (read from the HTTP thread: plain integers, a step may change them)."""
+        return self.llm.engine.stats()
 
     def submit(self, request: Request, consumer: Consumer) -> None:
         """Queues a request; QueueFull when max_queue are waiting, EngineUnavailable when nothing serves."""
@@ -115,6 +115,7 @@ class EngineLoop:
         """The loop, on the calling thread, until stop(): True then. An exception escaping the loop ends
         it too (logged; open requests fail; False)."""
         self._started = True
+        self.llm.engine.claim()  # from now on only this thread drives the engine
         reason = "the engine loop was stopped"
         try:
             while not self._stop.is_set():
@@ -130,20 +131,19 @@ class EngineLoop:
     def _iterate(self) -> None:
         """Takes in new requests and cancellations, runs one step, and delivers its events (after counting
         the queue, so a client answered can submit again at once)."""
-        scheduler = self.llm.scheduler
-        self._drain(block=not scheduler.has_work)
+        engine = self.llm.engine
+        self._drain(block=not engine.has_work)
         events: Events = []
-        if scheduler.has_work:
+        if engine.has_work:
             try:
-                events = scheduler.step()
+                events = engine.step()
             except Exception as e:  # not a request's failure (the scheduler handles those): fail them all
                 log.exception("engine step failed")
                 events = self._fail_all(f"internal error in the engine step: {type(e).__name__}: {e}")
         self._settle_queue()
         for request, text in events:
             self._deliver(request, text)
-        if isinstance(self.llm.runner, ParallelRunner) and (dead := self.llm.runner.lost()) is not None:
-            raise RankLostError(f"tensor-parallel {dead} died")  # ends the loop: the server exits
+        engine.check_ranks()  # a tensor-parallel rank that died ends the loop: the server exits
         if self._on_step:
             self._on_step(self)
 
@@ -157,7 +157,7 @@ class EngineLoop:
             if kind == "add" and consumer is not None:
                 self._add(request, consumer)
             elif kind == "cancel" and request in self._consumers:
-                self.llm.scheduler.cancel(request)
+                self.llm.engine.cancel(request)
                 self._deliver(request, "")
             try:
                 item = self._inbox.get_nowait()
@@ -168,7 +168,7 @@ class EngineLoop:
         self._consumers[request] = consumer
         self._queued.add(request)
         try:
-            self.llm.scheduler.add(request)
+            self.llm.engine.add(request)
         except DeviceUnusableError as e:  # submitted just before the device failed
             request.fail(str(e))
             self._deliver(request, "")
@@ -207,7 +207,7 @@ class EngineLoop:
         between the queue and a slot when a step raises)."""
         for request in self._consumers:
             try:
-                self.llm.scheduler.fail(request, message)
+                self.llm.engine.fail(request, message)
             except Exception:  # freeing its slot failed too; its client is answered all the same
                 log.exception("could not free the slot of a failed request")
                 request.fail(message)
@@ -229,3 +229,4 @@ class EngineLoop:
         self._settle_queue()
         for request, text in events:
             self._deliver(request, text)
+        self.llm.engine.release()

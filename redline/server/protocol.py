@@ -1,14 +1,23 @@
-"""Parsing and validating /v1/completions and /v1/chat/completions bodies into engine inputs.
+"""The HTTP API's request bodies as pydantic models: they parse and validate every request, and the served
+OpenAPI schema is generated from them (server/schema.py), so what is documented is what is accepted.
 
-Every check names the offending field. Unknown fields are ignored (clients send many: user, metadata,
-store, ...); fields whose non-default values would change the output and that redline cannot honour
-yet (suffix, logit_bias, response_format, tools, guided decoding, best_of > n) are rejected.
+Validation is strict (no "1" for 1, no 1 for true; 2.0 is an integer, as in JSON Schema) and every error
+becomes an OpenAI-shaped 400 naming its field ("messages[0].role"). Unknown fields are allowed (clients
+send many: user, metadata, store, ...). What a field's type cannot say is checked after parsing, against
+the served model: its id (404), context window and vocabulary, and the rules between fields (best_of = n,
+top_logprobs with logprobs, max_tokens 0 only with echo). Fields whose non-default values would change
+the output and that redline cannot honour yet (suffix, logit_bias, tools, guided decoding, ...) get a 400.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import operator
 from dataclasses import dataclass
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError
 
 from redline.sampling import MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TOP_K, SamplingParams
 from redline.server.errors import APIError, invalid
@@ -17,11 +26,221 @@ MAX_TEMPERATURE = 2.0  # OpenAI's range: [0, 2]
 MAX_STOP_STRINGS = 16  # lm-eval sends a task's stop sequences and the eos string: humaneval's are 6
 MAX_N = 16  # samples per prompt
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
-CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
+REFUSED = ("tools", "functions", "logit_bias", "suffix", "prompt_logprobs", "guided_json", "guided_regex",
+           "guided_choice", "guided_grammar", "structured_outputs")  # fmt: skip
+
+
+def _whole(value: Any) -> Any:
+    """2.0 -> 2 (an integer to JSON Schema); anything else is left to the integer check."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Int = Annotated[int, BeforeValidator(_whole)]
+TOKEN_ID = "a token id in [0, vocabulary size)"  # openapi_schema(vocab_size=...) adds the maximum here
+TokenId = Annotated[Int, Field(ge=0, description=TOKEN_ID)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+NonEmpty = Annotated[str, Field(min_length=1)]
+Probability = Annotated[float, Field(ge=0, le=1)]
+Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
+TopLogprobs = Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)]
+
+
+def _shape(value: Any) -> str | None:
+    """Which form a union of JSON shapes takes (pydantic validates only that one, so its errors are the
+    real ones): "a string", "token ids" (an array of integers), "a list" (any other array)."""
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        ids = value and all(isinstance(v, int | float) for v in value)  # [1, true, 2.5]: ids, checked as such
+        return "token ids" if ids else "a list"
+    return None
+
+
+def _one_of(what: str, **forms: Any) -> Any:
+    """A union validated by the JSON value's shape (_shape): one_of("...", a_string=str, a_list=list[str])."""
+    tagged = [Annotated[form, Tag(name.replace("_", " "))] for name, form in forms.items()]
+    union = functools.reduce(operator.or_, tagged)
+    shape = Discriminator(_shape, custom_error_type="invalid_shape", custom_error_message=f"must be {what}")
+    return Annotated[union, shape]
+
+
+OnePrompt = _one_of("a non-empty string or a list of token ids", a_string=NonEmpty, token_ids=TokenIds)
+Prompts = Annotated[list[OnePrompt], Field(min_length=1, max_length=MAX_PROMPTS)]
+Prompt = _one_of("a string, a list of token ids, or a list of those", a_string=NonEmpty, token_ids=TokenIds,
+                 a_list=Prompts)  # fmt: skip
+Stop = _one_of(f"a non-empty string or a list of up to {MAX_STOP_STRINGS}", a_string=NonEmpty,
+               a_list=Annotated[list[NonEmpty], Field(max_length=MAX_STOP_STRINGS)])  # fmt: skip
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(Body):
+    include_usage: bool | None = None
+
+
+class TextPart(Body):
+    type: Literal["text"]
+    text: str
+
+
+class Message(Body):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: _one_of("a string or a list of text parts", a_string=str, a_list=list[TextPart])
+
+    def text(self) -> dict[str, str]:
+        """{"role", "content"} with text parts joined."""
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": self.role, "content": content}
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text"]
+
+
+class Sampling(Body):
+    """The fields /v1/completions and /v1/chat/completions share."""
+
+    model: str = Field(description="the served model's id (GET /v1/models); any other is a 404")
+    stream: bool | None = Field(False, description="server-sent events, ending with data: [DONE]")
+    stream_options: StreamOptions | None = Field(None, description="only with stream: true")
+    stop: Stop | None = None
+    seed: Int | None = None
+    temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)] | None = Field(
+        1.0, description="0: greedy"
+    )
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = 1.0
+    top_k: Annotated[Int, Field(ge=0, le=MAX_TOP_K)] | None = Field(0, description="0: off")
+    min_p: Probability | None = 0.0
+    ignore_eos: bool | None = False
+    n: Annotated[Int, Field(ge=1, le=MAX_N)] | None = Field(1, description="samples of each prompt")
+    presence_penalty: Penalty | None = 0.0
+    frequency_penalty: Penalty | None = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0, le=MAX_REPETITION_PENALTY)] | None = Field(
+        1.0, description="1: off"
+    )
+    response_format: ResponseFormat | None = None
+    tool_choice: Literal["none"] | None = None
+    user: str | None = None
+
+    def params(self, max_tokens: int, logprobs: int | None, echo: bool) -> SamplingParams:
+        """With echo, the prompt's logprobs are computed when the tokens' are asked for, or max_tokens is
+        0."""
+        given = lambda value, default: default if value is None else value
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=given(self.temperature, 1.0), top_p=given(self.top_p, 1.0),
+            top_k=self.top_k or 0, min_p=self.min_p or 0.0, seed=self.seed, stop=stop,
+            ignore_eos=bool(self.ignore_eos), presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=given(self.repetition_penalty, 1.0),
+            logprobs=logprobs,
+            prompt_logprobs=(logprobs or 0) if echo and (logprobs is not None or max_tokens == 0) else None,
+        )  # fmt: skip
+
+
+class CompletionRequest(Sampling):
+    """POST /v1/completions."""
+
+    model_config = ConfigDict(json_schema_extra={"if": {"properties": {"max_tokens": {"const": 0}},
+                                                        "required": ["max_tokens"]},
+                                                 "then": {"properties": {"echo": {"const": True}},
+                                                          "required": ["echo"]}})  # fmt: skip
+
+    prompt: Prompt = Field(description=f"a prompt (text or token ids), or a list of 1 to {MAX_PROMPTS}")
+    max_tokens: Annotated[Int, Field(ge=0)] | None = Field(
+        16, description="prompt + max_tokens must fit the context; 0 only with echo"
+    )
+    echo: bool | None = Field(False, description="the prompt's text (and logprobs) before the completion")
+    logprobs: TopLogprobs | None = Field(None, description="top-N alternatives per token (0: chosen only)")
+    best_of: Annotated[Int, Field(ge=1, le=MAX_N)] | None = Field(None, description="null or equal to n")
+
+
+class ChatCompletionRequest(Sampling):
+    """POST /v1/chat/completions."""
+
+    model_config = ConfigDict(json_schema_extra={"dependentSchemas": {"top_logprobs": {
+        "properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}}})  # fmt: skip
+
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_tokens: Annotated[Int, Field(ge=1)] | None = Field(None, description="default: up to the context")
+    max_completion_tokens: Annotated[Int, Field(ge=1)] | None = Field(None, description="over max_tokens")
+    logprobs: bool | None = False
+    top_logprobs: TopLogprobs | None = Field(None, description="only with logprobs: true")
+
+
+class TokenizePrompt(Body):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool | None = True
+
+
+class TokenizeChat(Body):
+    model: str | None = None
+    messages: Annotated[list[Message], Field(min_length=1)]
+    add_generation_prompt: bool | None = True
+
+
+class DetokenizeRequest(Body):
+    """POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_json(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"request body is not valid JSON: {e}") from e
+
+
+def _param(loc: tuple[int | str, ...]) -> str:
+    """The field an error is at: ("messages", 0, "content", "a list", 1, "type") -> "messages[0].content[1].
+    type": field names and list indices; the names of union forms ("a list", "str", "list[int]") are left
+    out."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.isidentifier() and part.islower() and part not in ("str", "int", "float", "bool"):
+            out += f".{part}" if out else part
+    return out
+
+
+def parse(model: type[M], data: Any) -> M:
+    """`data` (parsed JSON) as `model`; the first validation error as a 400 naming its field."""
+    if not isinstance(data, dict):
+        raise APIError(400, "request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        error = e.errors(include_url=False)[0]
+        param = _param(error["loc"])
+        message = error["msg"].removeprefix("Value error, ")
+        raise APIError(400, f"{param}: {message}" if param else message, param or None) from None
+
+
+def check_model(given: str | None, served: str) -> None:
+    if given is not None and given != served:
+        raise APIError(404, f"model {given!r} does not exist; this server serves {served!r}", "model",
+                       "not_found_error")  # fmt: skip
+
+
+def check_token_ids(ids: list[int], field: str, vocab_size: int) -> None:
+    if any(t >= vocab_size for t in ids):
+        raise invalid(field, f"token ids must be in [0, {vocab_size})")
 
 
 @dataclass
 class Parsed:
+    """A completions or chat request, checked against the served model, as the server uses it."""
+
     prompts: list[str | list[int]] | None  # completions: one or more prompts, text or token ids
     messages: list[dict[str, str]] | None  # chat
     params: SamplingParams  # logprobs set when asked; prompt_logprobs with echo
@@ -32,263 +251,59 @@ class Parsed:
     echo: bool = False  # completions: the prompt's text (and logprobs) before the completion
 
 
-def parse_json(body: bytes) -> dict:
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"request body is not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise APIError(400, "request body must be a JSON object")
-    return data
-
-
-def _number(data: dict, key: str, default: float, low: float, high: float, low_open: bool = False) -> float:
-    value = data.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise invalid(key, f"must be a number, got {type(value).__name__}")
-    if value != value or value < low or value > high or (low_open and value == low):
-        bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
-        raise invalid(key, f"must be in {bound}, got {value}")
-    return float(value)
-
-
-def _integer(data: dict, key: str, low: int, high: int | None = None) -> int | None:
-    value = data.get(key)
-    if value is None:
-        return None
-    if isinstance(value, float) and value.is_integer():  # 1.0 is an integer to JSON Schema
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise invalid(key, f"must be an integer, got {type(value).__name__}")
-    if value < low or (high is not None and value > high):
-        raise invalid(key, f"must be in [{low}, {high if high is not None else 'inf'}], got {value}")
-    return value
-
-
-def _boolean(data: dict, key: str, default: bool = False) -> bool:
-    value = data.get(key, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise invalid(key, f"must be true or false, got {type(value).__name__}")
-    return value
-
-
-def _stop(data: dict) -> list[str]:
-    stop = data.get("stop")
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise invalid("stop", "must be a string or a list of strings")
-    if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
-        raise invalid("stop", f"at most {MAX_STOP_STRINGS} non-empty strings")
-    return stops
-
-
-def _n(data: dict) -> int:
-    n = _integer(data, "n", 1, MAX_N) or 1
-    best_of = _integer(data, "best_of", 1)
-    if best_of not in (None, n):
-        raise invalid("best_of", f"is not supported other than equal to n ({n}), got {best_of}")
-    return n
-
-
-def _unsupported(data: dict, chat: bool) -> None:
-    refused = ["tools", "functions", "logit_bias", "suffix", "prompt_logprobs", "guided_json", "guided_regex",
-               "guided_choice", "guided_grammar", "structured_outputs"]  # fmt: skip
-    if chat:
-        refused.append("echo")  # OpenAI's chat API has none
-    for key in refused:
-        if data.get(key) not in (None, False, 0, [], {}, ""):
+def _refuse_unsupported(body: Sampling, chat: bool) -> None:
+    extra = body.model_extra or {}
+    for key in (*REFUSED, *(("echo",) if chat else ())):  # OpenAI's chat API has no echo
+        if extra.get(key) not in (None, False, 0, [], {}, ""):
             raise invalid(key, "is not supported")
-    if data.get("length_penalty") not in (None, 1):
+    if extra.get("length_penalty") not in (None, 1):
         raise invalid("length_penalty", "is not supported (use 1)")
-    if data.get("response_format") not in (None, {"type": "text"}):
-        raise invalid("response_format", 'is not supported (only {"type": "text"})')
-    if data.get("tool_choice") not in (None, "none"):
-        raise invalid("tool_choice", 'is not supported (only "none")')
 
 
-def _sampling(
-    data: dict, max_tokens: int, stops: list[str], logprobs: int | None, echo: bool
-) -> SamplingParams:
-    """With echo, the prompt's logprobs are computed when the tokens' are asked for, or max_tokens is 0."""
-    seed = data.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise invalid("seed", f"must be an integer, got {type(seed).__name__}")
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=_number(data, "temperature", 1.0, 0.0, MAX_TEMPERATURE),
-        top_p=_number(data, "top_p", 1.0, 0.0, 1.0, low_open=True),
-        top_k=_integer(data, "top_k", 0, MAX_TOP_K) or 0,
-        min_p=_number(data, "min_p", 0.0, 0.0, 1.0),
-        seed=seed,
-        stop=stops,
-        ignore_eos=_boolean(data, "ignore_eos"),
-        presence_penalty=_number(data, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
-        frequency_penalty=_number(data, "frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
-        repetition_penalty=_number(
-            data, "repetition_penalty", 1.0, 0.0, MAX_REPETITION_PENALTY, low_open=True
-        ),
-        logprobs=logprobs,
-        prompt_logprobs=(logprobs or 0) if echo and (logprobs is not None or max_tokens == 0) else None,
-    )
-
-
-def _logprobs(data: dict, chat: bool) -> int | None:
-    """Top alternatives per token, or None: completions' `logprobs: N`, chat's `logprobs: true` with
-    `top_logprobs: N`."""
-    if not chat:
-        value = data.get("logprobs")
-        if isinstance(value, bool):
-            raise invalid(
-                "logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] on completions, got {value}"
-            )
-        return _integer(data, "logprobs", 0, MAX_LOGPROBS)
-    top = _integer(data, "top_logprobs", 0, MAX_LOGPROBS)
-    if not _boolean(data, "logprobs"):
-        if top is not None:
-            raise invalid("top_logprobs", "needs logprobs: true")
-        return None
-    return top or 0
-
-
-def _stream_options(data: dict, stream: bool) -> bool:
-    options = data.get("stream_options")
-    if options is None:
-        return False
-    if not isinstance(options, dict):
-        raise invalid("stream_options", "must be an object")
-    if not stream:
+def parse_request(data: Any, chat: bool, served_model: str, context: int, vocab_size: int) -> Parsed:
+    body = parse(ChatCompletionRequest if chat else CompletionRequest, data)
+    check_model(body.model, served_model)
+    _refuse_unsupported(body, chat)
+    stream = bool(body.stream)
+    if body.stream_options is not None and not stream:
         raise invalid("stream_options", "is only allowed with stream: true")
-    return _boolean(options, "include_usage")
-
-
-def _max_tokens(data: dict, keys: tuple[str, ...], context: int, low: int) -> int | None:
-    for key in keys:
-        value = _integer(data, key, low, context)
-        if value is not None:
-            return value
-    return None
-
-
-def _prompts(data: dict, vocab_size: int) -> list[str | list[int]]:
-    """`prompt`: a string, a list of token ids, or a list of either (up to MAX_PROMPTS)."""
-    prompt = data.get("prompt")
-    if prompt is None:
-        raise invalid("prompt", "is required")
-    batch = isinstance(prompt, list) and any(isinstance(p, str | list) for p in prompt)
-    prompts = prompt if batch else [prompt]
-    if len(prompts) > MAX_PROMPTS:
-        raise invalid("prompt", f"at most {MAX_PROMPTS} prompts in one request, got {len(prompts)}")
-    return [
-        _one_prompt(p, "prompt" if not batch else f"prompt[{i}]", vocab_size) for i, p in enumerate(prompts)
-    ]
-
-
-def _one_prompt(prompt: object, name: str, vocab_size: int) -> str | list[int]:
-    if isinstance(prompt, str):
-        if not prompt:
-            raise invalid(name, "must not be empty")
-        return prompt
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    ):
-        if any(not 0 <= t < vocab_size for t in prompt):
-            raise invalid(name, f"token ids must be in [0, {vocab_size})")
-        return prompt
-    raise invalid(name, "must be a non-empty string or list of token ids, or a list of those")
-
-
-def _messages(data: dict) -> list[dict[str, str]]:
-    messages = data.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise invalid("messages", "must be a non-empty list")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise invalid(f"messages[{i}]", "must be an object")
-        role, content = m.get("role"), m.get("content")
-        if role not in CHAT_ROLES:
-            raise invalid(f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
-        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            if not all(
-                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                for p in content
-            ):
-                raise invalid(f"messages[{i}].content", "only text parts are supported")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise invalid(f"messages[{i}].content", "must be a string or a list of text parts")
-        out.append({"role": role, "content": content})
-    return out
-
-
-def parse_request(data: dict, chat: bool, served_model: str, context: int, vocab_size: int) -> Parsed:
-    model = data.get("model")
-    if not isinstance(model, str):
-        raise invalid("model", "is required and must be a string")
-    _model_if_given(data, served_model)
-    _unsupported(data, chat)
-    stream = _boolean(data, "stream")
-    echo = _boolean(data, "echo")
-    keys = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
-    max_tokens = _max_tokens(
-        data, keys, context, low=0 if echo else 1
-    )  # echo: max_tokens 0 scores the prompt
+    if isinstance(body, ChatCompletionRequest):
+        key = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        max_tokens, echo, prompts = getattr(body, key), False, None
+        if body.top_logprobs is not None and not body.logprobs:
+            raise invalid("top_logprobs", "needs logprobs: true")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        key, max_tokens, echo, logprobs = "max_tokens", body.max_tokens, bool(body.echo), body.logprobs
+        if max_tokens == 0 and not echo:
+            raise invalid("max_tokens", "must be at least 1 (0 only with echo: true)")
+        if body.best_of not in (None, body.n or 1):
+            n = body.n or 1
+            raise invalid("best_of", f"is not supported other than equal to n ({n}), got {body.best_of}")
+        prompts = [body.prompt] if _shape(body.prompt) != "a list" else list(body.prompt)
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, list):
+                check_token_ids(prompt, "prompt" if len(prompts) == 1 else f"prompt[{i}]", vocab_size)
+    if max_tokens is not None and max_tokens > context:
+        raise invalid(key, f"must be at most the context window ({context}), got {max_tokens}")
     default = context if chat else 16  # OpenAI: chat runs to the context limit, completions default to 16
-    max_tokens_or_default = default if max_tokens is None else max_tokens
-    params = _sampling(data, max_tokens_or_default, _stop(data), _logprobs(data, chat), echo)
-    return Parsed(
-        prompts=None if chat else _prompts(data, vocab_size),
-        messages=_messages(data) if chat else None,
-        params=params,
-        stream=stream,
-        include_usage=_stream_options(data, stream),
-        max_tokens_given=max_tokens is not None,
-        n=_n(data),
-        echo=echo,
-    )
+    params = body.params(default if max_tokens is None else max_tokens, logprobs, echo)
+    messages = [m.text() for m in body.messages] if isinstance(body, ChatCompletionRequest) else None
+    include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
+    return Parsed(prompts, messages, params, stream, include_usage, max_tokens is not None, body.n or 1, echo)
 
 
-@dataclass
-class TokenizeRequest:
+def parse_tokenize(data: Any, served_model: str) -> TokenizePrompt | TokenizeChat:
     """POST /tokenize (as vLLM serves it): a prompt, or chat messages to render with the template."""
-
-    prompt: str | None
-    messages: list[dict[str, str]] | None
-    add_special_tokens: bool
-    add_generation_prompt: bool
-
-
-def _model_if_given(data: dict, served_model: str) -> None:
-    model = data.get("model")
-    if model is not None and model != served_model:
-        raise APIError(404, f"model {model!r} does not exist; this server serves {served_model!r}", "model",
-                       "not_found_error")  # fmt: skip
+    chat = isinstance(data, dict) and "messages" in data
+    body = parse(TokenizeChat if chat else TokenizePrompt, data)
+    check_model(body.model, served_model)
+    return body
 
 
-def parse_tokenize(data: dict, served_model: str) -> TokenizeRequest:
-    _model_if_given(data, served_model)
-    if "messages" in data:
-        return TokenizeRequest(None, _messages(data), False, _boolean(data, "add_generation_prompt", True))
-    prompt = data.get("prompt")
-    if not isinstance(prompt, str):
-        raise invalid("prompt", "is required and must be a string (or give messages)")
-    return TokenizeRequest(prompt, None, _boolean(data, "add_special_tokens", True), False)
-
-
-def parse_detokenize(data: dict, served_model: str, vocab_size: int) -> list[int]:
+def parse_detokenize(data: Any, served_model: str, vocab_size: int) -> list[int]:
     """POST /detokenize: the token ids to turn back into text."""
-    _model_if_given(data, served_model)
-    tokens = data.get("tokens")
-    if not isinstance(tokens, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in tokens):
-        raise invalid("tokens", "is required and must be a list of token ids")
-    if any(not 0 <= t < vocab_size for t in tokens):
-        raise invalid("tokens", f"token ids must be in [0, {vocab_size})")
-    return tokens
+    body = parse(DetokenizeRequest, data)
+    check_model(body.model, served_model)
+    check_token_ids(body.tokens, "tokens", vocab_size)
+    return body.tokens

@@ -1,173 +1,69 @@
-"""The OpenAPI 3.1 description of `redline serve`'s HTTP API, for clients, docs and the schema fuzzer.
-
-Documentation only: the server parses bodies by hand (redline/server/protocol.py) so that every error is
-an OpenAI-shaped JSON body. These pydantic models state the same fields, types and bounds; unknown fields
-are allowed (clients send many), and the fields redline cannot honour (suffix, logit_bias, tools,
-functions, guided_*, structured_outputs, prompt_logprobs, length_penalty) are left out: they get a 400.
+"""The OpenAPI 3.1 description of `redline serve`'s HTTP API, for clients, docs and the schema fuzzer:
+the request models are the ones that parse the requests (server/protocol.py), the responses' models are
+here. The fields redline cannot honour (suffix, logit_bias, tools, functions, guided_*,
+structured_outputs, prompt_logprobs, length_penalty) are left out: they get a 400.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, RootModel
+from pydantic import BaseModel, ConfigDict, RootModel
 from pydantic.json_schema import models_json_schema
 
 from redline import __version__
-from redline.sampling import MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TOP_K
-from redline.server.protocol import MAX_N, MAX_PROMPTS, MAX_STOP_STRINGS, MAX_TEMPERATURE
-
-TOKEN_ID = "a token id in [0, vocabulary size)"  # openapi_schema(vocab_size=...) adds the maximum here
-TokenId = Annotated[int, Field(ge=0, description=TOKEN_ID)]
-Probability = Annotated[float, Field(ge=0, le=1)]
-Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
-TopLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
-NonEmpty = Annotated[str, Field(min_length=1)]
-TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+from redline.server.protocol import (
+    TOKEN_ID,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChat,
+    TokenizePrompt,
+)
 
 
-class Body(BaseModel):
+class Reply(BaseModel):
     model_config = ConfigDict(extra="allow")
-
-
-class StreamOptions(Body):
-    include_usage: bool | None = None
-
-
-class TextPart(Body):
-    type: Literal["text"]
-    text: str
-
-
-class Message(Body):
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart]
-
-
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["text"]
-
-
-def _given(key: str, value: Any) -> dict:
-    """The JSON Schema of an object whose `key` is `value` (for the conditions between fields)."""
-    return {"properties": {key: {"const": value}}, "required": [key]}
-
-
-class Sampling(Body):
-    """The fields /v1/completions and /v1/chat/completions share."""
-
-    model: str = Field(description="the served model's id (GET /v1/models); any other is a 404")
-    stream: bool | None = Field(False, description="server-sent events, ending with data: [DONE]")
-    stream_options: StreamOptions | None = Field(None, description="only with stream: true")
-    stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    seed: int | None = None
-    temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)] | None = Field(
-        1.0, description="0: greedy"
-    )
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = 1.0
-    top_k: Annotated[int, Field(ge=0, le=MAX_TOP_K)] | None = Field(0, description="0: off")
-    min_p: Probability | None = 0.0
-    ignore_eos: bool | None = False
-    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = Field(1, description="samples of each prompt")
-    presence_penalty: Penalty | None = 0.0
-    frequency_penalty: Penalty | None = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0, le=MAX_REPETITION_PENALTY)] | None = Field(
-        1.0, description="1: off"
-    )
-    response_format: ResponseFormat | None = None
-    tool_choice: Literal["none"] | None = None
-    user: str | None = None
-
-
-class CompletionRequest(Sampling):
-    """POST /v1/completions."""
-
-    model_config = ConfigDict(json_schema_extra={"if": _given("max_tokens", 0), "then": _given("echo", True)})
-
-    prompt: (
-        NonEmpty | TokenIds | Annotated[list[NonEmpty], Field(min_length=1, max_length=MAX_PROMPTS)]
-        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
-    ) = Field(description=f"a prompt (text or token ids), or a list of 1 to {MAX_PROMPTS}")  # fmt: skip
-    max_tokens: Annotated[int, Field(ge=0)] | None = Field(
-        16, description="prompt + max_tokens must fit the context; 0 only with echo"
-    )
-    echo: bool | None = Field(False, description="the prompt's text (and logprobs) before the completion")
-    logprobs: TopLogprobs | None = Field(None, description="top-N alternatives per token (0: chosen only)")
-    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = Field(None, description="null or equal to n")
-
-
-class ChatCompletionRequest(Sampling):
-    """POST /v1/chat/completions."""
-
-    model_config = ConfigDict(
-        json_schema_extra={"dependentSchemas": {"top_logprobs": _given("logprobs", True)}}
-    )
-
-    messages: Annotated[list[Message], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = Field(None, description="default: up to the context")
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = Field(None, description="over max_tokens")
-    logprobs: bool | None = False
-    top_logprobs: TopLogprobs | None = Field(None, description="only with logprobs: true")
-
-
-class TokenizePrompt(Body):
-    model: str | None = None
-    prompt: str
-    add_special_tokens: bool | None = True
-
-
-class TokenizeChat(Body):
-    model: str | None = None
-    messages: Annotated[list[Message], Field(min_length=1)]
-    add_generation_prompt: bool | None = True
 
 
 class TokenizeRequest(RootModel[TokenizePrompt | TokenizeChat]):
     """POST /tokenize (as vLLM): a prompt, or chat messages rendered with the chat template."""
 
 
-class DetokenizeRequest(Body):
-    """POST /detokenize."""
-
-    model: str | None = None
-    tokens: list[TokenId]
-
-
-class ErrorDetail(Body):
+class ErrorDetail(Reply):
     message: str
     type: str
     param: str | None
     code: int | str | None
 
 
-class ErrorResponse(Body):
+class ErrorResponse(Reply):
     """Every 4xx/5xx (GET /health's 503 adds "status": "unhealthy")."""
 
     error: ErrorDetail
 
 
-class Usage(Body):
+class Usage(Reply):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
 
 
-class CompletionLogprobs(Body):
+class CompletionLogprobs(Reply):
     tokens: list[str]
     token_logprobs: list[float | None]
     top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
-class CompletionChoice(Body):
+class CompletionChoice(Reply):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
 
 
-class Completion(Body):
+class Completion(Reply):
     id: str
     object: Literal["text_completion"]
     created: int
@@ -180,7 +76,7 @@ class CompletionChunkChoice(CompletionChoice):
     text: str
 
 
-class CompletionChunk(Body):
+class CompletionChunk(Reply):
     """One server-sent event of a streamed text completion (the last, with include_usage: the usage)."""
 
     id: str
@@ -191,7 +87,7 @@ class CompletionChunk(Body):
     usage: Usage | None = None
 
 
-class TopLogprob(Body):
+class TopLogprob(Reply):
     token: str
     logprob: float
     bytes: list[int] | None
@@ -201,23 +97,23 @@ class TokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob]
 
 
-class ChatLogprobs(Body):
+class ChatLogprobs(Reply):
     content: list[TokenLogprob] | None
 
 
-class ChatMessage(Body):
+class ChatMessage(Reply):
     role: Literal["assistant"]
     content: str | None
 
 
-class ChatChoice(Body):
+class ChatChoice(Reply):
     index: int
     message: ChatMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 
-class ChatCompletion(Body):
+class ChatCompletion(Reply):
     id: str
     object: Literal["chat.completion"]
     created: int
@@ -226,19 +122,19 @@ class ChatCompletion(Body):
     usage: Usage
 
 
-class Delta(Body):
+class Delta(Reply):
     role: Literal["assistant"] | None = None
     content: str | None = None
 
 
-class ChatChunkChoice(Body):
+class ChatChunkChoice(Reply):
     index: int
     delta: Delta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 
-class ChatCompletionChunk(Body):
+class ChatCompletionChunk(Reply):
     """One server-sent event of a streamed chat completion."""
 
     id: str
@@ -249,17 +145,17 @@ class ChatCompletionChunk(Body):
     usage: Usage | None = None
 
 
-class TokenizeResponse(Body):
+class TokenizeResponse(Reply):
     count: int
     max_model_len: int
     tokens: list[int]
 
 
-class DetokenizeResponse(Body):
+class DetokenizeResponse(Reply):
     prompt: str
 
 
-class ModelCard(Body):
+class ModelCard(Reply):
     id: str
     object: Literal["model"]
     created: int
@@ -267,12 +163,12 @@ class ModelCard(Body):
     max_model_len: int
 
 
-class ModelList(Body):
+class ModelList(Reply):
     object: Literal["list"]
     data: list[ModelCard]
 
 
-class Health(Body):
+class Health(Reply):
     status: Literal["ok"]
 
 

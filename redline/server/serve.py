@@ -1,36 +1,25 @@
-"""`redline serve`: load the model (and draft), pick the mode's batch and speculation, run uvicorn.
+"""`redline serve`: load the model (and draft) as the engine flags say, run uvicorn.
 
 The engine loop runs on the main thread and uvicorn on another. Ctrl-C or SIGTERM exits 0; if the engine
 loop dies, or the HTTP server ends by itself, the process exits 1 instead of serving nothing.
 
-min-latency: at most MIN_LATENCY_SLOTS slots, speculation whenever a draft is given, every prompt
-prefilled whole (batch-1 latency first).
-max-throughput: --max-batch slots (default 256), as many running as the KV pool holds; speculation with
-a draft unless --no-speculation; prefill in forwards of --max-prefill-tokens (default 2,048), so running
-streams keep decoding while a long prompt arrives.
+The mode (--mode, an engine option: engine_config.py) sets the defaults: min-latency 4 slots, speculation
+whenever a draft is given, every prompt prefilled whole (batch-1 latency first); max-throughput 256 slots
+(as many running as the KV pool holds) and prefill in forwards of 2,048 tokens, so running streams keep
+decoding while a long prompt arrives. --no-speculation serves without the draft (an A/B switch).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import logging
 import os
 import signal
 import threading
 
-MIN_LATENCY_SLOTS = 4
-MAX_THROUGHPUT_SLOTS = 256  # admitted as the KV pool holds them
-MAX_THROUGHPUT_PREFILL_TOKENS = 2048  # per prefill forward: long prompts in chunks between decode steps
-
-
-def mode_settings(
-    mode: str, max_batch: int | None, has_draft: bool, no_speculation: bool
-) -> tuple[int, bool]:
-    """(slots, speculate) for a mode. min-latency, --max-batch 16 -> (4, True) with a draft."""
-    if mode == "min-latency":
-        return min(max_batch or MIN_LATENCY_SLOTS, MIN_LATENCY_SLOTS), has_draft and not no_speculation
-    return max_batch or MAX_THROUGHPUT_SLOTS, has_draft and not no_speculation
+from redline.engine_config import EngineConfig
+from redline.engine_flags import add_engine_args, config_from_args
 
 
 def served_name(model: str) -> str:
@@ -45,54 +34,20 @@ def served_name(model: str) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
-def _model_argument(args: argparse.Namespace) -> str:
-    """The model, positional (as `vllm serve ORG/NAME`) or --model; not both, not neither."""
-    if args.model and args.model_flag and args.model != args.model_flag:
-        raise ValueError(f"two models given: {args.model!r} and --model {args.model_flag!r}")
-    model = args.model or args.model_flag
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine's config from the serve command line: the model positional (as `vllm serve ORG/NAME`)
+    or --model, not both; --no-speculation drops the draft."""
+    if args.model_arg and args.model and args.model_arg != args.model:
+        raise ValueError(f"two models given: {args.model_arg!r} and --model {args.model!r}")
+    model = args.model_arg or args.model
     if not model:
         raise ValueError(
             "no model given: redline serve MODEL (a directory, a .gguf file or a hub id ORG/NAME)"
         )
-    return model
-
-
-def speculative_config(text: str) -> tuple[str, int]:
-    """vLLM's --speculative-config JSON -> (draft, K): '{"method": "eagle3", "model": "DIR",
-    "num_speculative_tokens": 3}' -> ("DIR", 3)."""
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--speculative-config is not JSON: {e}") from e
-    if not isinstance(config, dict) or config.get("method") not in ("eagle3", None):
-        raise ValueError(f'--speculative-config: only "method": "eagle3" is supported, got {config!r}')
-    if not isinstance(config.get("model"), str):
-        raise ValueError('--speculative-config needs "model": the EAGLE-3 draft directory or hub id')
-    k = config.get("num_speculative_tokens", 3)
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise ValueError(f"--speculative-config: num_speculative_tokens must be an integer, got {k!r}")
-    return config["model"], k
-
-
-def engine_options(args: argparse.Namespace) -> dict:
-    """LLM(...)'s arguments from the serve command line (redline's flags or their vLLM spellings)."""
-    draft, k = args.draft, args.num_draft_tokens
-    if args.speculative_config is not None:
-        if draft is not None:
-            raise ValueError("give the draft once: --draft or --speculative-config")
-        draft, k = speculative_config(args.speculative_config)
-    slots, speculate = mode_settings(args.mode, args.max_batch, draft is not None, args.no_speculation)
-    prefill_tokens = args.max_prefill_tokens
-    if prefill_tokens is None and args.mode == "max-throughput":
-        prefill_tokens = MAX_THROUGHPUT_PREFILL_TOKENS
-    return dict(
-        model=_model_argument(args), revision=args.revision, dtype=args.dtype, device=args.device,
-        max_batch=slots, max_seq_len=args.max_seq_len, draft=draft if speculate else None,
-        num_draft_tokens=k, compile=args.compile, tensor_parallel_size=args.tensor_parallel_size,
-        expert_parallel=args.expert_parallel, kv_cache_memory=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization, prefix_caching=args.prefix_caching,
-        max_prefill_tokens=prefill_tokens,
-    )  # fmt: skip
+    config = config_from_args(args, model=model)
+    if args.no_speculation:
+        config = dataclasses.replace(config, speculative=dataclasses.replace(config.speculative, model=None))
+    return config
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -111,11 +66,11 @@ def serve(args: argparse.Namespace) -> int:
 
     log = logging.getLogger("redline.server")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    options = engine_options(args)
-    model, slots, speculate = options["model"], options["max_batch"], options["draft"] is not None
-    if args.mode == "min-latency" and not speculate:
+    config = engine_config(args)
+    model, scheduler = config.load.model, config.scheduler
+    if scheduler.mode == "min-latency" and not config.speculation:
         log.warning("min-latency mode without a draft: serving without speculation")
-    llm = LLM(**options)
+    llm = LLM(config=config)
     if llm.warmup_s:
         log.info("warm-up: every prefill and step shape compiled in %.1f s", llm.warmup_s)
     name = args.served_model_name or served_name(model)
@@ -123,8 +78,8 @@ def serve(args: argparse.Namespace) -> int:
     server = Server(llm, name, api_key, max_queue=args.max_queue)
     log.info(
         "serving %s as %r on http://%s:%d (%s: %d slots, speculation %s, context %d tokens)",
-        model, name, args.host, args.port, args.mode, slots,
-        f"K={llm.num_draft_tokens}" if speculate else "off", llm.max_seq_len,
+        model, name, args.host, args.port, scheduler.mode, scheduler.slots,
+        f"K={llm.num_draft_tokens}" if config.speculation else "off", llm.max_seq_len,
     )  # fmt: skip
     app = create_app(server, start_engine=False)
     config = uvicorn.Config(
@@ -159,33 +114,17 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-
-    from redline.cli import add_kv_args, add_tensor_parallel_arg
-
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     help = "checkpoint directory, llama .gguf file or Hugging Face Hub id (ORG/NAME); or --model"
-    s.add_argument("model", nargs="?", default=None, help=help)
-    s.add_argument("--model", dest="model_flag", default=None, metavar="MODEL", help="the same as MODEL")
-    s.add_argument("--revision", default=None, help="with a hub id: the branch, tag or commit (default main)")
-    s.add_argument("--draft", default=None, help="EAGLE-3 draft directory or hub id")
-    s.add_argument("--num-draft-tokens", type=int, default=3)
-    s.add_argument("--mode", choices=("min-latency", "max-throughput"), default="min-latency")
-    help = "slots (max-throughput default 256); vLLM's --max-num-seqs"
-    s.add_argument("--max-batch", "--max-num-seqs", type=int, default=None, help=help)
-    s.add_argument("--no-speculation", action="store_true", help="ignore --draft (max-throughput A/B)")
-    s.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
-    help = "context window (default: the model's, <= 4096); vLLM's --max-model-len"
-    s.add_argument("--max-seq-len", "--max-model-len", type=int, default=None, help=help)
-    help = "float32 | bfloat16 | float16 | fp8 | auto (the checkpoint's)"
-    s.add_argument("--dtype", default="float32", help=help)
-    help = """vLLM's form of --draft: '{"method": "eagle3", "model": DIR, "num_speculative_tokens": 3}'"""
-    s.add_argument("--speculative-config", default=None, metavar="JSON", help=help)
-    s.add_argument("--device", default="cpu")
-    add_tensor_parallel_arg(s)
-    add_kv_args(s, f"min-latency: whole prompts; max-throughput: {MAX_THROUGHPUT_PREFILL_TOKENS}")
-    s.add_argument("--compile", action="store_true")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (or REDLINE_API_KEY)")
-    s.add_argument("--served-model-name", default=None, help="model id clients send (default: the dir name)")
+    s.add_argument("model_arg", nargs="?", default=None, metavar="MODEL", help=help)
+    add_engine_args(s)
+    http = s.add_argument_group("server")
+    http.add_argument("--no-speculation", action="store_true", help="ignore the draft (an A/B switch)")
+    http.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
+    http.add_argument("--host", default="127.0.0.1")
+    http.add_argument("--port", type=int, default=8000)
+    help = "require Authorization: Bearer KEY (or REDLINE_API_KEY)"
+    http.add_argument("--api-key", default=None, help=help)
+    help = "model id clients send (default: the directory's name, a hub id itself)"
+    http.add_argument("--served-model-name", default=None, help=help)
     s.set_defaults(func=serve)

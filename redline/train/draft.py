@@ -26,12 +26,12 @@ from pathlib import Path
 
 import torch
 
+from redline.config import ModelConfig
 from redline.engine.llm import LLM
 from redline.engine.request import Completion
 from redline.models.build import load_target
-from redline.models.eagle3 import Eagle3Draft, draft_config_for, save_draft
+from redline.models.eagle3 import Eagle3Draft, default_aux_layers, draft_config_for, save_draft
 from redline.models.llama import LlamaForCausalLM
-from redline.models.random_init import normal_init
 from redline.sampling import SamplingParams
 from redline.tokenizer import Tokenizer
 from redline.train import data
@@ -39,6 +39,7 @@ from redline.train.budget import Plan, plan_training, regen_deadline
 from redline.train.features import DraftData, Sample, extract
 from redline.train.loop import Schedule, StepLoss, train
 from redline.train.precision import autocast, compute_dtype
+from redline.train.random_init import normal_init
 from redline.train.regenerate import chat_prompts, regenerate
 from redline.train.ttt import ttt_loss
 
@@ -101,8 +102,8 @@ def answer_prompts(
     if budget_s is None:
         prompts = prompts[: recipe.num_prompts]
     longest = max(map(len, prompts))
-    llm = LLM(target_dir, dtype=compute_dtype(), max_batch=recipe.regen_batch,
-              max_seq_len=longest + recipe.gen_len + 8, compile=False)  # fmt: skip
+    llm = LLM(target_dir, dtype=compute_dtype(), max_num_seqs=recipe.regen_batch,
+              max_model_len=longest + recipe.gen_len + 8, compile=False)  # fmt: skip
     done = {i: Sample(tokens, prompt_len) for i, (tokens, prompt_len) in saved["samples"].items()}
     start = time.perf_counter()
     deadline = None if budget_s is None else regen_deadline(budget_s, saved["seconds"], start)
@@ -137,14 +138,14 @@ def resumable(out: Path) -> bool:
 def new_draft(target: LlamaForCausalLM, recipe: DraftRecipe, vocab: torch.Tensor) -> Eagle3Draft:
     """Random layer, lm_head initialised from the target's rows of the draft vocabulary."""
     torch.manual_seed(recipe.seed)
-    draft = Eagle3Draft(draft_config_for(target.config, len(vocab), recipe.intermediate_size))
+    config = draft_config_for(target.config, len(vocab), recipe.intermediate_size)
+    draft = Eagle3Draft(config, target_embedding=target.model.embed_tokens)
     normal_init(draft)
     with torch.no_grad():
         draft.lm_head.weight.copy_(target.lm_head.weight[vocab])
         draft.d2t.copy_(vocab - torch.arange(len(vocab)))
         draft.t2d.zero_()
         draft.t2d[vocab] = True
-    draft.attach(target)
     return draft
 
 
@@ -188,7 +189,9 @@ def train_draft(
         earlier_s = saved["seconds"]  # answering and features of the interrupted run, at least
     else:
         samples, used, earlier_s = answer_prompts(target_dir, out, recipe, data_source, budget_s)
-        features = extract(load_target(target_dir, compute_dtype()), samples, recipe.draft_vocab)
+        layers = ModelConfig.from_dir(target_dir).num_layers
+        traced = load_target(target_dir, compute_dtype(), aux_layers=default_aux_layers(layers))
+        features = extract(traced, samples, recipe.draft_vocab)
         features.save(features_path)
     target = load_target(target_dir, torch.float32)
     target.requires_grad_(False)
@@ -243,8 +246,8 @@ def acceptance_length(
     target_dir: Path, draft_dir: Path, prompts: list[list[int]], max_tokens: int, k: int = 3
 ) -> float:
     """Mean tokens emitted per decode step over greedy completions of `prompts`."""
-    llm = LLM(target_dir, dtype="float32", max_batch=8, draft=draft_dir, num_draft_tokens=k,
-              max_seq_len=max(map(len, prompts)) + max_tokens + 8, compile=False)  # fmt: skip
+    llm = LLM(target_dir, dtype="float32", max_num_seqs=8, draft=draft_dir, num_speculative_tokens=k,
+              max_model_len=max(map(len, prompts)) + max_tokens + 8, compile=False)  # fmt: skip
     completions = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     return run_acceptance_length(completions)
 

@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from redline.models.eagle3 import default_aux_layers
 from redline.models.llama import LlamaForCausalLM
 
 
@@ -93,8 +92,10 @@ def responds_mask(samples: list[Sample]) -> torch.Tensor:
 @torch.inference_mode()
 def extract(target: LlamaForCausalLM, samples: list[Sample], draft_vocab: int) -> DraftData:
     """Runs the target over every sample (its own dtype) for the aux and final hidden states; the draft
-    vocabulary is the `draft_vocab` most frequent response tokens."""
-    target.aux_layers = default_aux_layers(target.config.num_layers)
+    vocabulary is the `draft_vocab` most frequent response tokens. The target is built with the aux
+    layers the draft will read (models/eagle3.default_aux_layers)."""
+    if not target.aux_layers:
+        raise ValueError("extract needs a target built with aux_layers (the hidden states the draft reads)")
     aux, final = [], []
     for s in tqdm(samples, desc="target features", unit="seq", dynamic_ncols=True):
         ids = torch.tensor([s.tokens])

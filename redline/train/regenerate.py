@@ -57,9 +57,9 @@ def regenerate(
     flight are cancelled and their partial responses kept (a shorter sample of the same text); those
     not yet started are left undone."""
     todo = [i for i in range(len(prompts)) if i not in done]
-    queue_depth = 2 * llm.runner.slots
+    queue_depth = 2 * llm.config.scheduler.slots
     running: dict[int, Request] = {}
-    scheduler = llm.scheduler
+    engine = llm.engine
     bar = tqdm(total=len(prompts), initial=len(done), desc="target answers", unit="seq", dynamic_ncols=True)
     tokens, start, last_save = 0, time.perf_counter(), time.perf_counter()
 
@@ -80,13 +80,13 @@ def regenerate(
         while todo and len(running) < queue_depth and not out_of_time:
             i = todo.pop(0)
             running[i] = llm.make_request(prompts[i], params(i))
-            scheduler.add(running[i])
+            engine.add(running[i])
         if out_of_time:
             for i in list(running):
-                scheduler.cancel(running[i])
+                engine.cancel(running[i])
                 record(i)
             break
-        scheduler.step()
+        engine.step()
         for i in [i for i, r in running.items() if r.finished]:
             record(i)
         if time.perf_counter() - last_save > save_every_s:

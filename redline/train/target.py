@@ -16,11 +16,11 @@ import torch.nn.functional as F
 from redline.config import ModelConfig
 from redline.models.llama import LlamaForCausalLM
 from redline.models.loader import save_weights
-from redline.models.random_init import llama3_config, normal_init
 from redline.tokenizer import Tokenizer
 from redline.train import data
 from redline.train.bpe import train_bpe_tokenizer
 from redline.train.loop import Schedule, train
+from redline.train.random_init import llama3_config, normal_init
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ def _init_weights(model: LlamaForCausalLM, num_layers: int) -> None:
         for name, p in model.named_parameters():
             if name.endswith(("o_proj.weight", "down_proj.weight")):
                 p.div_(math.sqrt(2 * num_layers))
-    model.tie_weights()
+    model.finish_loading()
 
 
 def save_target(model: LlamaForCausalLM, config: dict, out: Path, eos: int) -> None:

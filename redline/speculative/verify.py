@@ -17,6 +17,8 @@ def accepted_prefix(accepted: torch.Tensor) -> torch.Tensor:
     """accepted [B, K] bool -> leading run length [B]: the index of the first rejection, a False appended
     for rows that accept all. [1, 1, 0, 1] -> [1, 1, 0, 1, 0] -> argmin (the first minimum) -> 2. A
     reduction the compiler fuses, where cumprod was a library call in the middle of the step."""
+    if accepted.shape[1] == 0:  # no drafts (plain decoding, a prefill's first token): nothing accepted
+        return torch.zeros(accepted.shape[0], dtype=torch.int64, device=accepted.device)
     ended = torch.cat((accepted, torch.zeros_like(accepted[:, :1])), dim=1)
     return ended.to(torch.uint8).argmin(dim=1)
 

@@ -12,7 +12,6 @@ from torch import nn
 
 from redline.layers.linear import Linear
 from redline.layers.moe import Experts
-from redline.models.llama import LlamaForCausalLM
 from redline.quant.fp8 import Fp8Linear, quantize, quantize_per_expert
 from redline.quant.fp8_experts import Fp8Experts
 from redline.quant.scheme import Fp8Scheme
@@ -26,10 +25,10 @@ Kind = Literal["linear", "gate_up", "down"]
 
 
 def _targets(
-    model: LlamaForCausalLM, scheme: Fp8Scheme, checkpoint_name: Callable[[str], str] = lambda name: name
+    model: nn.Module, scheme: Fp8Scheme, checkpoint_name: Callable[[str], str] = lambda name: name
 ) -> Iterator[tuple[nn.Module, str, nn.Module, str]]:
     """(parent, attribute, module, full name) of every decoder linear and expert module FP8 covers."""
-    for parent_name, parent in list(model.model.layers.named_modules(prefix="model.layers")):
+    for parent_name, parent in list(model.get_submodule("model.layers").named_modules(prefix="model.layers")):
         for name, child in list(parent.named_children()):
             full = f"{parent_name}.{name}"
             if scheme.keeps_high_precision(full, checkpoint_name(full)):
@@ -39,7 +38,7 @@ def _targets(
 
 
 def fp8_skeleton(
-    model: LlamaForCausalLM, scheme: Fp8Scheme, scaled_mm: bool, checkpoint_name: Callable[[str], str]
+    model: nn.Module, scheme: Fp8Scheme, scaled_mm: bool, checkpoint_name: Callable[[str], str]
 ) -> None:
     """On the meta device: replaces the modules an FP8 checkpoint in `scheme` holds in FP8 by empty FP8
     modules; checkpoint_name maps redline's module names to the checkpoint's, for the `ignore` list."""
@@ -67,13 +66,13 @@ def _quantized(module: nn.Module, scaled_mm: bool) -> nn.Module:
     return Fp8Experts.from_experts(module)
 
 
-def to_fp8(model: LlamaForCausalLM, scheme: Fp8Scheme, scaled_mm: bool) -> None:
+def to_fp8(model: nn.Module, scheme: Fp8Scheme, scaled_mm: bool) -> None:
     """Replaces model.layers.*'s loaded linears and experts by quantized copies, in place."""
     for parent, name, child, _ in list(_targets(model, scheme)):
         setattr(parent, name, _quantized(child, scaled_mm))
 
 
-def quantized_weights(model: LlamaForCausalLM, scheme: Fp8Scheme) -> dict[str, Kind]:
+def quantized_weights(model: nn.Module, scheme: Fp8Scheme) -> dict[str, Kind]:
     """Module keys of the weights quantization turns into FP8, with the layout of their scales:
     {"model.layers.0.self_attn.q_proj.weight": "linear", "model.layers.1.mlp.experts.down_proj": "down"}"""
     weights: dict[str, Kind] = {}
@@ -91,7 +90,7 @@ class QuantizeOnLoad:
     whole: the peak is the FP8 model plus one module in high precision. Weights to quantize load in their
     on-disk precision (an fp32 checkpoint is not rounded to bf16 first), the rest in the model's dtype."""
 
-    def __init__(self, model: LlamaForCausalLM, scheme: Fp8Scheme, scaled_mm: bool) -> None:
+    def __init__(self, model: nn.Module, scheme: Fp8Scheme, scaled_mm: bool) -> None:
         self._scaled_mm = scaled_mm
         self._weights = quantized_weights(model, scheme)
         self._places: dict[str, tuple[nn.Module, str]] = {}  # module name -> (parent, attribute)

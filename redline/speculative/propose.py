@@ -3,6 +3,8 @@ each slot continues from, then K - 1 single-token steps on the draft's own hidde
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from redline.models.eagle3 import Eagle3Draft
@@ -13,16 +15,26 @@ from redline.sampling import SamplingTensors, filtered_probs, sample_from
 DRAFT_STREAM = 2  # random stream of draft sampling
 
 
+@dataclass
+class DraftInputs:
+    """What the draft's pass over a forward's L rows reads: the target's aux hidden states there, the token
+    after each row where known (the emitted ones are filled in), and where the verified rows begin."""
+
+    aux: torch.Tensor  # [B, L, 3 * H_target]
+    next_tokens: torch.Tensor  # [B, L]: the token at p + 1 for the row at p
+    positions: torch.Tensor  # [B, L]
+    first_row: torch.Tensor  # [B]: the row of the first emitting position
+    cache: KVLayer  # the draft's KV layer
+    tables: torch.Tensor  # [B, blocks per sequence] int32
+    kv_len: int  # keys the draft attends: past its chain's last write
+
+
 def propose(
     draft: Eagle3Draft,
-    aux: torch.Tensor,  # [B, T, 3 * H_target] target aux hidden states at `positions`
-    next_tokens: torch.Tensor,  # [B, T] the token at position p + 1 for the row at p
-    positions: torch.Tensor,  # [B, T]
+    inputs: DraftInputs,
+    next_tokens: torch.Tensor,  # [B, L] the token at position p + 1 for the row at p, emitted ones included
     row: torch.Tensor,  # [B] the last row whose next token is known (the chain continues from it)
     k: int,
-    cache: KVLayer,
-    tables: torch.Tensor,  # [B, blocks per sequence] int32
-    kv_len: int,
     sampling: SamplingTensors,
     any_sampling: bool,
     penalties: tuple[torch.Tensor, torch.Tensor] | None = None,  # target counts [B, V], seen [B, V]
@@ -30,10 +42,11 @@ def propose(
     """Returns draft tokens [B, K] (target ids) and, when sampling, their distributions [B, K, V_draft].
     With penalties (penalties.py) the draft's logits are penalized as the target's are, each proposal
     counting the ones before it, so its proposals follow the distribution verification will use."""
+    positions, cache, tables, kv_len = inputs.positions, inputs.cache, inputs.tables, inputs.kv_len
     if penalties is not None:  # onto the draft vocabulary: draft id d is target id to_target(d)
         ids = draft.to_target(torch.arange(draft.config.draft_vocab_size, device=positions.device))
         counts, seen = (t[:, ids] for t in penalties)  # [B, V_draft]
-    hidden = draft(next_tokens, draft.fuse(aux), positions, cache, tables, kv_len)  # [B, T, H]
+    hidden = draft(next_tokens, draft.fuse(inputs.aux), positions, cache, tables, kv_len)  # [B, L, H]
     h = hidden.gather(1, row[:, None, None].expand(-1, 1, hidden.shape[-1]))  # [B, 1, H]
     position = positions.gather(1, row[:, None])  # [B, 1] the row at p predicts the token at p + 2
     tokens, probs = [], []

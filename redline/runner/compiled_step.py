@@ -8,8 +8,8 @@ recompile limit. The dimension is marked unbacked: the compiler may not speciali
 nothing can split the range (a backed dynamic size let inductor's CPU code generation guard its
 reductions at 4,096 elements, which doubled the graphs, and the start-up compile, of every context
 past 4,096 tokens: BENCHMARKS.md "Start-up compile"). Every key is known up front
-(ModelRunner.step_keys); start-up runs each (rows, sampling) once (ModelRunner.warm_up_step_keys),
-and after `freeze()` a call that would compile raises. Inside each graph the decoder layers are
+(Shapes.step_keys); start-up runs each (rows, sampling) once (runner/warm_up.py), and after `freeze()` a
+call that would compile raises. Inside each graph the decoder layers are
 nested compile regions (models/llama.run_layer): one layer of each kind is traced and compiled, and
 every layer calls it.
 
@@ -29,22 +29,30 @@ from collections.abc import Callable
 
 import torch
 
+from redline.runner.compiling import own_copy, room_for
+
 Step = Callable[[int, int, bool], torch.Tensor]
 
 
+def _through_kv_index(step: Step) -> Callable[[int, torch.Tensor, bool], torch.Tensor]:
+    def run(rows: int, kv_index: torch.Tensor, any_sampling: bool) -> torch.Tensor:
+        return step(rows, kv_index.shape[0], any_sampling)
+
+    return run
+
+
 class CompiledStep:
-    def __init__(self, step: Step, cache_len: int, device: torch.device):
-        self.step = step
+    def __init__(self, step: Step, cache_len: int, device: torch.device, graphs: int):
+        """graphs: the (rows, sampling) pairs the step will run at."""
+        self.step, self.graphs = step, graphs
         self.kv_index = torch.arange(cache_len + 1, device=device)  # its views carry kv_len into the graph
         # size_asserts off: the wrapper checked every input's and layer call's strides in Python, ~800
         # checks a step for 30 layers; the inputs are the runner's own fixed tensors (as for the guards)
         options = {"size_asserts": False}
-        self.compiled = torch.compile(self._run, fullgraph=True, dynamic=False, options=options)
+        run = own_copy(_through_kv_index(step))
+        self.compiled = torch.compile(run, fullgraph=True, dynamic=False, options=options)
         self.seen: set[tuple[int, bool]] = set()  # (rows, sampling) pairs run with every guard
         self.frozen = False
-
-    def _run(self, rows: int, kv_index: torch.Tensor, any_sampling: bool) -> torch.Tensor:
-        return self.step(rows, kv_index.shape[0], any_sampling)
 
     def freeze(self) -> None:
         """From now on a call that would compile raises instead (every key was compiled at warm-up)."""
@@ -57,7 +65,8 @@ class CompiledStep:
         if key not in self.seen:
             if self.frozen:
                 raise RuntimeError(f"decode step shape {key} (rows, sampling) was not compiled at warm-up")
-            out = self.compiled(rows, kv_index, any_sampling)
+            with room_for(self.graphs):
+                out = self.compiled(rows, kv_index, any_sampling)
             self.seen.add(key)
             return out
         stance = "fail_on_recompile" if self.frozen else "default"

@@ -1,12 +1,12 @@
 """The target's prefill forward through torch.compile, its batch, chunk length and keys dynamic.
 
-A prefill runs rows of chunks (engine/prefill.py): tokens [B, L] at positions [B, L], L a multiple of 16
+A prefill runs rows of chunks (runner/prefill.py): tokens [B, L] at positions [B, L], L a multiple of 16
 (at least 16), attending over cache positions [0, kv_len). B, L and kv_len are dynamic dimensions (kv_len
 enters as the length of an empty marker tensor), so a few graphs serve every batch, chunk and offset:
 dynamo specializes B = 1 apart from B >= 2, and a model whose forward branches on the token count (a
 Llama 4 MoE layer takes its few-token path while B L <= num_experts / top_k:
-LlamaForCausalLM.token_count_branches) gets a graph per side of that branch. ModelRunner.warm_up
-compiles them all at start-up (warm_up_shapes). After `freeze()` a shape that would still compile runs
+LlamaForCausalLM.token_count_branches) gets a graph per side of that branch. runner/warm_up.py
+compiles them all at start-up (prefill_shapes). After `freeze()` a shape that would still compile runs
 the same forward eagerly, with a warning, instead of failing.
 
 Duck shaping is off while tracing: a first call with kv_len == L (a whole prompt) must not tie the two
@@ -16,23 +16,20 @@ symbols together, or the first chunk at an offset would compile again.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.fx.experimental._config as fx_config
 
-from redline.engine.kv_cache import KVCache
+from redline.models.kv_cache import KVCache
 from redline.models.llama import LlamaForCausalLM
+from redline.runner.compiling import own_copy, room_for
+from redline.runner.plan import ALIGN, padded_len
 
-ALIGN = 16
-
-
-def padded_prompt_len(n: int, cache_len: int) -> int:
-    """5 -> 16, 20 -> 32, 33 -> 48; capped at cache_len (n <= cache_len)."""
-    return min(max(ALIGN, -(-n // ALIGN) * ALIGN), cache_len)
+Forwarded = tuple[torch.Tensor, torch.Tensor | None]  # (hidden [B, L, H], aux [B, L, A] or None)
 
 
-def warm_up_shapes(cache_len: int, branches: Iterable[int] = ()) -> list[tuple[int, int]]:
+def prefill_shapes(cache_len: int, branches: Iterable[int] = ()) -> list[tuple[int, int]]:
     """(rows, padded length) pairs that compile every prefill graph: for one row and for two, two
     lengths (16 and 32: nothing specializes on the first), and for each token count t at which the
     forward branches, the longest padded batch of up to t tokens and the shortest above it, within the
@@ -44,20 +41,26 @@ def warm_up_shapes(cache_len: int, branches: Iterable[int] = ()) -> list[tuple[i
         for t in branches:
             if t // rows >= ALIGN:
                 shapes.add((rows, min(t // rows // ALIGN * ALIGN, cache_len)))
-            shapes.add((rows, padded_prompt_len(t // rows + 1, cache_len)))
+            shapes.add((rows, padded_len(t // rows + 1, cache_len)))
     return sorted(shapes)
 
 
-class CompiledPrefill:
-    def __init__(self, model: LlamaForCausalLM, cache: KVCache):
-        self.model, self.cache = model, cache
-        self.compiled = torch.compile(self._forward, fullgraph=True, dynamic=False)
-        self.frozen = False
+def _through_marker(model: LlamaForCausalLM, cache: KVCache) -> Callable[..., Forwarded]:
+    def forward(
+        tokens: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, kv_marker: torch.Tensor
+    ) -> Forwarded:
+        return model(tokens, positions, cache.layers, tables, kv_marker.shape[0])
 
-    def _forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, kv_marker: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self.model(tokens, positions, self.cache.layers, tables, kv_marker.shape[0])
+    return forward
+
+
+class CompiledPrefill:
+    def __init__(self, model: LlamaForCausalLM, cache: KVCache, graphs: int):
+        """graphs: how many the warm-up's shapes compile (two per shape at most)."""
+        self.graphs = graphs
+        self._forward = _through_marker(model, cache)
+        self.compiled = torch.compile(own_copy(self._forward), fullgraph=True, dynamic=False)
+        self.frozen = False
 
     def freeze(self) -> None:
         """From now on a call that would compile runs eagerly instead, with a warning."""
@@ -82,6 +85,7 @@ class CompiledPrefill:
             with (
                 torch.compiler.set_stance("fail_on_recompile" if self.frozen else "default"),
                 fx_config.patch(use_duck_shape=False),
+                room_for(self.graphs),
             ):
                 return self.compiled(tokens, positions, tables, marker)
         except RuntimeError as error:  # torch raises a plain RuntimeError for the stance

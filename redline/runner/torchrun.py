@@ -4,9 +4,9 @@
 
 Every process runs the same command line. Rank 0 runs it (the scheduler, the HTTP server); every other
 rank, seeing RANK > 0, follows instead (cli.main -> follow): it joins the process group, receives rank
-0's RunnerSpec, builds its shard on its LOCAL_RANK device, then makes rank 0's runner calls as they
-come. Calls travel as one small broadcast per call on a gloo group of their own, with a timeout long
-enough for a server to sit idle; the model's collectives use the default group (NCCL on CUDA).
+0's EngineConfig, builds its shard on its LOCAL_RANK device, then executes rank 0's plans as they come
+(runner/ranks.py). Messages travel as one broadcast per step on a gloo group of their own, with a timeout
+long enough for a server to sit idle; the model's collectives use the default group (NCCL on CUDA).
 """
 
 from __future__ import annotations
@@ -18,15 +18,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from redline.engine_config import EngineConfig
 from redline.parallel.group import TensorParallel
-from redline.parallel.workers import (
-    JOIN_TIMEOUT,
-    Message,
-    ParallelRunner,
-    RunnerSpec,
-    build_runner,
-    serve_calls,
-)
+from redline.runner.build import build_runner
+from redline.runner.model_runner import ModelRunner
+from redline.runner.ranks import JOIN_TIMEOUT, Message, RankGroup, follow
 
 IDLE_TIMEOUT = timedelta(days=365)  # a follower waits this long for rank 0's next call
 
@@ -47,8 +43,13 @@ def _join() -> dist.ProcessGroup:
     return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
 
 
-def _on_this_machine(spec: RunnerSpec) -> RunnerSpec:
-    return spec.on_rank(int(os.environ.get("LOCAL_RANK", "0")))
+def _runner(config: EngineConfig) -> ModelRunner:
+    """This process's shard, on its LOCAL_RANK GPU on CUDA."""
+    local = os.environ.get("LOCAL_RANK", "0")
+    device = f"cuda:{local}" if config.load.device.startswith("cuda") else config.load.device
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    return build_runner(config, TensorParallel.current(config.parallel.enable_expert_parallel), device)
 
 
 def _sender(calls: dist.ProcessGroup) -> Callable[[Message], None]:
@@ -65,24 +66,22 @@ def _receiver(calls: dist.ProcessGroup) -> Callable[[], Message]:
     return receive
 
 
-def lead(spec: RunnerSpec, size: int) -> ParallelRunner:
-    """Rank 0: joins, sends every rank the spec, builds its own shard."""
+def lead(config: EngineConfig, size: int) -> RankGroup:
+    """Rank 0: joins, sends every rank the config, builds its own shard."""
     world = int(os.environ["WORLD_SIZE"])
     if world != size:
         raise ValueError(f"--tensor-parallel-size {size}, but torchrun started {world} processes")
     calls = _join()
     send = _sender(calls)
-    send(("spec", (spec,)))
-    runner = build_runner(_on_this_machine(spec), TensorParallel.current(spec.expert_parallel))
-    return ParallelRunner(runner, send, [])
+    send(("config", (config,)))
+    return RankGroup(_runner(config), send, [])
 
 
-def follow() -> int:
-    """Ranks > 0: build this rank's shard from rank 0's spec and make rank 0's calls until it stops."""
+def follow_rank_0() -> int:
+    """Ranks > 0: build this rank's shard from rank 0's config and execute rank 0's plans until it stops."""
     calls = _join()
     receive = _receiver(calls)
-    _, (spec,) = receive()
-    runner = build_runner(_on_this_machine(spec), TensorParallel.current(spec.expert_parallel))
-    serve_calls(runner, receive)
+    _, (config,) = receive()
+    follow(_runner(config), receive)
     dist.destroy_process_group()
     return 0

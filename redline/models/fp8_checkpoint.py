@@ -20,9 +20,9 @@ from redline.config import ConfigError, ModelConfig
 from redline.models.build import checkpoint_key_to_module_key, module_key_to_checkpoint_key
 from redline.models.llama import LlamaForCausalLM
 from redline.models.loader import Part, check_checkpoint
+from redline.models.quantize import HIGH_PRECISION, Kind, quantize_weight, quantized_weights
 from redline.models.shards import DEFAULT_SHARD_BYTES, ShardWriter
 from redline.models.tensor_files import checkpoint_files, open_tensor_file
-from redline.quant.convert import HIGH_PRECISION, Kind, quantize_weight, quantized_weights
 from redline.quant.scheme import Fp8Scheme, compressed_tensors_config, fp8_scheme
 
 COPIED = (

@@ -7,13 +7,7 @@ memory access, a launch failure) fails every request and the engine admits no mo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
 import torch
-
-if TYPE_CHECKING:
-    from redline.engine.request import Completion
 
 # Parts of the messages torch gives CUDA errors; a CUDA context that raised one of them is lost.
 DEVICE_UNUSABLE_MARKERS = (
@@ -28,7 +22,7 @@ DEVICE_UNUSABLE_MARKERS = (
 
 
 class RankLostError(RuntimeError):
-    """A tensor-parallel worker process died: the group can run nothing more (parallel/workers.py)."""
+    """A tensor-parallel worker process died: the group can run nothing more (runner/ranks.py)."""
 
 
 def device_unusable(error: BaseException) -> bool:
@@ -51,18 +45,3 @@ def describe(stage: str, error: BaseException) -> str:
 
 class DeviceUnusableError(RuntimeError):
     """The device failed earlier (the message says how); this engine accepts no more requests."""
-
-
-class GenerationError(RuntimeError):
-    """Some requests failed. `completions` holds every prompt's result, in order; the failed ones have
-    finish_reason "error" and their message in `error`."""
-
-    def __init__(self, completions: Sequence[Completion]):
-        self.completions = list(completions)
-        failed = [c for c in self.completions if c.finish_reason == "error"]
-        count = (
-            ""
-            if len(self.completions) == 1
-            else f"{len(failed)} of {len(self.completions)} requests failed; "
-        )
-        super().__init__(f"{count}{failed[0].error}")

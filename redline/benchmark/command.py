@@ -1,0 +1,179 @@
+"""`redline bench`: engines side by side on one model (--model: benchmark/run.py), or a load test of a
+running server (--url: load.py, or with --dataset a replay of real traffic: serve_bench.py)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from redline.engine_flags import add_engine_args
+
+SERVE_FLAGS = ("--num-prompts", "--request-rate", "--max-concurrency", "--max-output-tokens", "--tokenizer")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
+
+
+def _modes(text: str) -> list[str]:
+    return [m for m in text.split(",") if m]
+
+
+def add_parser(sub) -> None:
+    b = sub.add_parser("bench", help="HF vs redline vs redline + EAGLE-3 (--model), or load a server (--url)")
+    add_engine_args(b, groups=("load", "parallel"), skip=("revision", "quantization", "device"))
+    server = b.add_argument_group("server load test (--url)")
+    server.add_argument("--url", default=None, help="base URL of an OpenAI-compatible server")
+    server.add_argument("--concurrency", type=_int_list, default=[1, 2, 4, 8, 16], help="client counts")
+    server.add_argument("--requests-per-client", type=int, default=2)
+    server.add_argument("--api-key", default=None)
+    server.add_argument("--dataset", choices=["sharegpt"], default=None, help="replay held-out conversations")
+    server.add_argument(
+        "--num-prompts", type=int, default=None, help="with --dataset: requests (default 100)"
+    )
+    help = "with --dataset: Poisson arrivals per s (default inf)"
+    server.add_argument("--request-rate", type=float, default=None, help=help)
+    server.add_argument("--max-concurrency", type=int, default=None, help="with --dataset: most in flight")
+    help = "with --dataset: cap on max_tokens (default 256)"
+    server.add_argument("--max-output-tokens", type=int, default=None, help=help)
+    help = "with --dataset: the served model's directory or .gguf"
+    server.add_argument("--tokenizer", type=Path, default=None, help=help)
+    server.add_argument("--ignore-eos", action="store_true", help="with --dataset: exactly max_tokens")
+    server.add_argument("--seed", type=int, default=0, help="with --dataset: seed of the arrival times")
+    engines = b.add_argument_group("engines (--model)")
+    help = "prompts from this held-out set (default: the stdlib held-out files)"
+    engines.add_argument("--data", choices=["sharegpt", "humaneval"], default=None, help=help)
+    engines.add_argument("--draft", type=Path, default=None, help="an EAGLE-3 draft: redline + EAGLE-3 rows")
+    engines.add_argument("--num-draft-tokens", type=_int_list, default=[1, 2, 3, 4, 5], help="e.g. 1,2,3")
+    engines.add_argument("--max-tokens", type=int, default=128)
+    engines.add_argument("--prompts", type=int, default=4)
+    engines.add_argument("--prompt-len", type=int, default=64)
+    engines.add_argument("--repeats", type=int, default=3)
+    help = "redline's modes to run: eager, compiled or eager,compiled"
+    engines.add_argument("--modes", type=_modes, default=["eager"], help=help)
+    help = "the same as --modes compiled"
+    engines.add_argument("--compile", dest="compiled_mode", action="store_true", help=help)
+    engines.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    help = "with a .gguf --model: skip llama.cpp (run when llama-cpp-python is installed)"
+    engines.add_argument("--no-llama-cpp", action="store_true", help=help)
+    b.add_argument("--json", type=Path, default=None)
+    b.add_argument("--plot", type=Path, default=None, help="PNG path")
+    b.set_defaults(func=run)
+
+
+def _bench_model(args: argparse.Namespace) -> tuple[Path, tuple[Path, ...]]:
+    """The model directory to bench, and the GGUF files llama.cpp runs: with a .gguf model and
+    llama-cpp-python installed, the file and an F16 copy of its dequantized weights (cached beside the
+    import)."""
+    from redline.engine_config import parse_dtype
+    from redline.models.source import local_model
+
+    model = Path(args.model)
+    model_dir = local_model(model, dtype=parse_dtype(args.dtype))
+    if model.suffix != ".gguf":
+        return model_dir, ()
+    from redline.benchmark import llamacpp
+    from redline.models.gguf_f16 import write_f16_gguf
+
+    if args.no_llama_cpp or not llamacpp.available():
+        return model_dir, ()
+    f16 = model_dir.parent / "f16.gguf"
+    if not f16.is_file():
+        write_f16_gguf(model, f16.with_suffix(".partial")).replace(f16)
+    return model_dir, (model, f16)
+
+
+def run(args: argparse.Namespace) -> int:
+    from redline.benchmark import machine, report
+    from redline.benchmark.run import BenchSettings, run_bench
+
+    if args.url:
+        return _bench_server(args)
+    if not args.model:
+        raise ValueError("redline bench needs --model DIR (engine benchmark) or --url URL (server load test)")
+    if args.dataset or _given(args, SERVE_FLAGS):
+        raise ValueError(f"--dataset and {', '.join(SERVE_FLAGS)} go with --url; use --data with --model")
+    if any(not 1 <= k <= 8 for k in args.num_draft_tokens):
+        raise ValueError(f"--num-draft-tokens values must be in 1..8, got {args.num_draft_tokens}")
+    modes = ["compiled"] if args.compiled_mode else args.modes
+    if not modes or set(modes) - {"eager", "compiled"}:
+        raise ValueError(f"--modes takes eager and/or compiled, got {','.join(modes)}")
+    if args.dtype in ("auto", "fp8"):
+        raise ValueError(
+            f"redline bench compares engines in one dtype: bfloat16, float16 or float32, not {args.dtype}"
+        )
+    model_dir, gguf_files = _bench_model(args)
+    settings = BenchSettings(
+        max_tokens=args.max_tokens, num_prompts=args.prompts, prompt_len=args.prompt_len,
+        repeats=args.repeats,
+        dtype=args.dtype, modes=tuple(m == "compiled" for m in modes), hf=not args.no_hf, data=args.data,
+        gguf_files=gguf_files, tensor_parallel_size=args.tensor_parallel_size,
+        expert_parallel=args.enable_expert_parallel,
+    )  # fmt: skip
+    result = {
+        "machine": machine.describe(),
+        **run_bench(model_dir, args.draft, args.num_draft_tokens, settings),
+    }
+    print(report.table(result))
+    if args.json:
+        report.write_json(result, args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        report.plot(result, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _given(args: argparse.Namespace, flags: tuple[str, ...]) -> bool:
+    return any(getattr(args, flag[2:].replace("-", "_")) is not None for flag in flags)
+
+
+def _bench_server(args: argparse.Namespace) -> int:
+    from redline.benchmark import machine
+    from redline.benchmark.load import load_table, run_load
+
+    if args.dataset:
+        return _bench_dataset(args)
+    if _given(args, SERVE_FLAGS):
+        raise ValueError(f"{', '.join(SERVE_FLAGS)} replay a data set: add --dataset sharegpt")
+    load = run_load(args.url, args.concurrency, args.requests_per_client, args.max_tokens, args.api_key)
+    result = {"machine": machine.describe(), **load}
+    return _show(load_table(result), result, args.json)
+
+
+def _show(table: str, result: dict, json_path: Path | None) -> int:
+    from redline.benchmark import report
+
+    print(table)
+    if json_path:
+        report.write_json(result, json_path)
+        print(f"wrote {json_path}")
+    return 0
+
+
+def _bench_dataset(args: argparse.Namespace) -> int:
+    from redline.benchmark import machine
+    from redline.benchmark.serve_bench import ServeSettings, run_serve_bench
+    from redline.benchmark.serve_report import serve_table
+    from redline.models.source import local_model
+
+    if args.tokenizer is None:
+        raise ValueError(
+            "--dataset sharegpt needs --tokenizer DIR (the served model's directory): each request's "
+            "max_tokens is its real answer's length in the model's tokens"
+        )
+    settings = ServeSettings(
+        local_model(args.tokenizer),  # a served .gguf file: its import holds the tokenizer
+        num_prompts=100 if args.num_prompts is None else args.num_prompts,
+        request_rate=math.inf if args.request_rate is None else args.request_rate,
+        max_concurrency=args.max_concurrency,
+        max_output_tokens=256 if args.max_output_tokens is None else args.max_output_tokens,
+        ignore_eos=args.ignore_eos,
+        seed=args.seed,
+    )
+    result = {"machine": machine.describe(), **run_serve_bench(args.url, settings, args.api_key)}
+    return _show(serve_table(result), result, args.json)

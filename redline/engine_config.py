@@ -1,0 +1,335 @@
+"""EngineConfig: every option of the engine in one frozen value, validated once.
+
+Options are grouped (what to load, parallelism, KV cache, scheduling, speculation, compilation) and named
+as vLLM names them where vLLM has the option; redline's older names are aliases. Every entry point builds
+its config from these field definitions: `LLM(model, **options)` through `EngineConfig.create`, and the
+command line through `engine_flags.add_engine_args` (the flags are generated from the fields below, so
+`redline generate`, `serve`, `bench` and `eval` cannot drift apart).
+
+    EngineConfig.create("DIR", max_num_seqs=8, enable_prefix_caching=False)
+    EngineConfig.create("DIR", max_batch=8, prefix_caching=False)          # the same, redline's names
+
+Values that depend on the model (dtype "auto", the context window, where a hub id lives) are resolved
+when the engine is built (models/source.py), never here: this module reads no file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+}
+MODES = ("min-latency", "max-throughput")
+MODE_SLOTS = {"min-latency": 4, "max-throughput": 256}  # max_num_seqs when not given
+MAX_THROUGHPUT_PREFILL_TOKENS = 2048  # max-throughput's prefill forwards; min-latency prefills whole prompts
+MAX_DRAFT_TOKENS = 8
+DEFAULT_CONTEXT = 4096  # max_model_len when not given: the model's own, at most this
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}, fp8, auto")
+    return DTYPES[name]
+
+
+def dtype_name(value: str | torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16" (LLM(dtype=torch.bfloat16) works); a name passes through."""
+    return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
+
+
+def option(default: Any, help: str, *aliases: str, flags: tuple[str, ...] = (), flat: str = "", **kw: Any):
+    """A field with what its command-line flag needs. aliases: other Python names accepted for it (and
+    their --flags); flags: extra spellings (--tp); flat: its name among all options (default the field's);
+    kw: "parse" (str -> value), "choices", "metavar"."""
+    metadata = {"help": help, "aliases": aliases, "flags": flags, "flat": flat, **kw}
+    return field(default=default, metadata=metadata)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    model: str = option("", "checkpoint directory, llama .gguf file or Hugging Face Hub id (ORG/NAME)")
+    revision: str | None = option(None, "with a hub id: the branch, tag or commit (default main)")
+    dtype: str = option(
+        "bfloat16", "bfloat16 | float16 | float32 | fp8 (FP8 weights) | auto (the checkpoint's)"
+    )
+    quantization: str | None = option(None, "fp8: quantize the decoder's weights on load", choices=("fp8",))
+    device: str = option("cpu", "cpu | cuda | cuda:N")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        _require(self.dtype in (*DTYPES, "fp8", "auto"), f"unknown dtype {self.dtype!r}; choose one of "
+                 f"{', '.join(DTYPES)}, fp8, auto")  # fmt: skip
+        _require(
+            self.quantization in (None, "fp8"), f"unknown quantization {self.quantization!r}; choose fp8"
+        )
+        _require(
+            self.device.split(":")[0] in ("cpu", "cuda"), f"unknown device {self.device!r}: cpu | cuda[:N]"
+        )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The activations' dtype (FP8 weights compute in bfloat16); "auto" must be resolved first."""
+        return torch.bfloat16 if self.dtype == "fp8" else parse_dtype(self.dtype)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = option(
+        1, "split the model over N processes on this machine (one GPU each on CUDA)", flags=("--tp",),
+        metavar="N",
+    )  # fmt: skip
+    enable_expert_parallel: bool = option(
+        False, "with --tp N: each rank holds E / N whole Llama 4 experts instead of a block of every one",
+        "expert_parallel",
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        size = self.tensor_parallel_size
+        _require(size >= 1, f"tensor_parallel_size must be at least 1, got {size}")
+        _require(
+            not self.enable_expert_parallel or size > 1, "expert_parallel needs tensor_parallel_size > 1"
+        )
+
+
+def parse_bytes(text: str) -> int:
+    """ "2GiB" -> 2,147,483,648; "512MB" -> 512,000,000; "4096" -> 4,096 (a trailing "b" is optional)."""
+    units = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+    number = text.strip().rstrip("bB").rstrip()
+    unit = ""
+    while number and number[-1].isalpha():
+        unit, number = number[-1].lower() + unit, number[:-1]
+    factor = units.get(unit[:-1] + "ib" if unit.endswith("i") else unit)
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if factor is None or value < 0:
+        raise ValueError(f"not a size in bytes: {text!r} (e.g. 4096, 512MB, 2GiB)")
+    return int(value * factor)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    kv_cache_dtype: str = option("auto", "fp8 | bfloat16 | float16 | float32 | auto (the model's dtype)")
+    kv_cache_memory_bytes: int | None = option(
+        None, "memory for KV blocks, e.g. 2GiB (default: on CUDA see --gpu-memory-utilization; on CPU every "
+        "slot's whole context, at most 4 GiB); the newest request is preempted when they run out",
+        "kv_cache_memory", parse=parse_bytes, metavar="BYTES",
+    )  # fmt: skip
+    gpu_memory_utilization: float = option(
+        0.9, "CUDA without --kv-cache-memory: the share of the device's memory for weights, activations "
+        "and KV blocks", metavar="FRACTION",
+    )  # fmt: skip
+    enable_prefix_caching: bool = option(
+        True, "reuse the KV blocks of prompt prefixes computed before", "prefix_caching"
+    )
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_cache_dtype", kv := dtype_name(self.kv_cache_dtype))
+        _require(
+            kv in (*DTYPES, "fp8", "auto"), f"unknown kv_cache_dtype {kv!r}; choose fp8, auto or a dtype"
+        )
+        memory = self.kv_cache_memory_bytes
+        _require(memory is None or memory > 0, f"kv_cache_memory_bytes must be positive, got {memory}")
+        share = self.gpu_memory_utilization
+        _require(0 < share <= 1, f"gpu_memory_utilization must be in (0, 1], got {share}")
+
+    def torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        if self.kv_cache_dtype == "auto":
+            return model_dtype
+        return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8" else parse_dtype(self.kv_cache_dtype)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    mode: str = option(
+        "min-latency", "min-latency: 4 slots, whole prompts in one forward; max-throughput: 256 slots (as "
+        "the KV pool holds them), prefill in forwards of 2,048 tokens", choices=MODES,
+    )  # fmt: skip
+    max_num_seqs: int | None = option(
+        None, "requests decoding at once (slots; default: the mode's)", "max_batch", metavar="N"
+    )
+    max_model_len: int | None = option(
+        None, f"context window (default: the model's, at most {DEFAULT_CONTEXT})", "max_seq_len", metavar="N"
+    )
+    max_num_batched_tokens: int | None = option(
+        None, "tokens of one prefill forward, padding included: longer prompts prefill in chunks between "
+        "decode steps (default: the mode's)", "max_prefill_tokens", metavar="N",
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        _require(self.mode in MODES, f"unknown mode {self.mode!r}; choose {' or '.join(MODES)}")
+        seqs, tokens, length = self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len
+        _require(seqs is None or seqs >= 1, f"max_num_seqs must be at least 1, got {seqs}")
+        _require(tokens is None or tokens >= 16, f"max_num_batched_tokens must be at least 16 (one block), "
+                 f"got {tokens}")  # fmt: skip
+        _require(length is None or length >= 2, f"max_model_len must be at least 2, got {length}")
+
+    @property
+    def slots(self) -> int:
+        return self.max_num_seqs or MODE_SLOTS[self.mode]
+
+    @property
+    def prefill_tokens(self) -> int | None:
+        """Tokens of one prefill forward; None: whole prompts."""
+        if self.max_num_batched_tokens is None and self.mode == "max-throughput":
+            return MAX_THROUGHPUT_PREFILL_TOKENS
+        return self.max_num_batched_tokens
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's --speculative-config: {"method": "eagle3", "model": DRAFT, "num_speculative_tokens": K}."""
+
+    method: str = option(
+        "eagle3", "speculative decoding method", flat="speculative_method", choices=("eagle3",)
+    )
+    model: str | None = option(
+        None, "EAGLE-3 draft directory or hub id (speculative decoding)", "speculative_model", flat="draft"
+    )
+    num_speculative_tokens: int = option(3, "draft length K (1..8)", "num_draft_tokens", metavar="K")
+
+    def __post_init__(self) -> None:
+        _require(self.method == "eagle3", f'only "method": "eagle3" is supported, got {self.method!r}')
+        k = self.num_speculative_tokens
+        _require(
+            isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= MAX_DRAFT_TOKENS,
+            f"num_speculative_tokens must be an integer in 1..{MAX_DRAFT_TOKENS}, got {k!r}",
+        )
+
+    @classmethod
+    def from_json(cls, text: str | dict) -> SpeculativeConfig:
+        """'{"method": "eagle3", "model": "DIR", "num_speculative_tokens": 3}' (or the dict)."""
+        try:
+            raw = json.loads(text) if isinstance(text, str) else text
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative_config is not JSON: {e}") from e
+        if not isinstance(raw, dict) or not isinstance(raw.get("model"), str):
+            raise ValueError(f'speculative_config needs "model": the draft directory or hub id, got {raw!r}')
+        known = {f.name for f in dataclasses.fields(cls)}
+        _require(set(raw) <= known, f"speculative_config: unknown keys {sorted(set(raw) - known)}")
+        return cls(**raw)
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    compile: bool | None = option(
+        None,
+        "torch.compile the decode step and the prefill, every shape at start-up (default: on CPU, "
+        "unless REDLINE_COMPILE=0; CUDA captures CUDA graphs instead)",
+    )
+    cuda_graphs: bool | None = option(
+        None, "capture every decode step shape as a CUDA graph (default: on CUDA)"
+    )
+    pdl: bool = option(False, "programmatic dependent launch of the Triton kernels (Hopper or newer GPUs)")
+
+
+GROUPS = {
+    "load": LoadConfig,
+    "parallel": ParallelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "speculative": SpeculativeConfig,
+    "compilation": CompileConfig,
+}
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option as the entry points see it: its group and field, its names, its flag's needs."""
+
+    group: str
+    field: dataclasses.Field
+    flat: str  # the name among every option (LLM's keyword, argparse's dest)
+    aliases: tuple[str, ...]
+
+    @property
+    def default(self) -> Any:
+        return self.field.default
+
+
+def options() -> dict[str, Option]:
+    """Every option by its flat name, in group order."""
+    out = {}
+    for group, cls in GROUPS.items():
+        for f in dataclasses.fields(cls):
+            flat = f.metadata["flat"] or f.name
+            out[flat] = Option(group, f, flat, f.metadata["aliases"])
+    return out
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    load: LoadConfig = field(default_factory=LoadConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    compilation: CompileConfig = field(default_factory=CompileConfig)
+
+    def __post_init__(self) -> None:
+        _require(bool(self.load.model), "no model given: a checkpoint directory, a .gguf file or a hub id")
+
+    @classmethod
+    def create(cls, model: str | Any = "", **given: Any) -> EngineConfig:
+        """From flat options (vLLM's names or redline's aliases): create("DIR", max_num_seqs=4, draft="D").
+        speculative_config (vLLM's JSON or dict) sets the speculative group at once."""
+        by_name = {name: o for o in options().values() for name in (o.flat, *o.aliases)}
+        values: dict[str, dict[str, Any]] = {group: {} for group in GROUPS}
+        spec = given.pop("speculative_config", None)
+        if spec is not None:
+            values["speculative"] = dataclasses.asdict(SpeculativeConfig.from_json(spec))
+        for name, value in given.items():
+            if name not in by_name:
+                known = ", ".join(sorted(o.flat for o in options().values()))
+                raise TypeError(f"unknown engine option {name!r}; the options are: {known}")
+            o = by_name[name]
+            if o.group == "speculative" and spec is not None:
+                raise ValueError(f"give the draft once: {name} or speculative_config")
+            if o.field.name in values[o.group]:
+                raise ValueError(f"{name} given twice (as {o.flat} and an alias)")
+            values[o.group][o.field.name] = value
+        values["load"]["model"] = str(values["load"].get("model") or model)
+        draft = values["speculative"].get("model")
+        if draft is not None:
+            values["speculative"]["model"] = str(draft)  # a Path, say
+        return cls(**{group: GROUPS[group](**fields) for group, fields in values.items()})
+
+    def replace(self, **given: Any) -> EngineConfig:
+        """A copy with some flat options changed: config.replace(max_num_seqs=1)."""
+        by_name = {name: o for o in options().values() for name in (o.flat, *o.aliases)}
+        groups: dict[str, dict[str, Any]] = {}
+        for name, value in given.items():
+            if name not in by_name:
+                raise TypeError(f"unknown engine option {name!r}")
+            o = by_name[name]
+            groups.setdefault(o.group, {})[o.field.name] = value
+        changed = {g: dataclasses.replace(getattr(self, g), **fields) for g, fields in groups.items()}
+        return dataclasses.replace(self, **changed)
+
+    @property
+    def speculation(self) -> bool:
+        return self.speculative.model is not None
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """K: draft tokens verified per step (0 without speculation)."""
+        return self.speculative.num_speculative_tokens if self.speculation else 0

@@ -1,0 +1,138 @@
+"""What runs inside each layer, chosen once from the device, the dtype and the compile mode, and handed to
+every layer when it is built (as mini-sglang picks its backends by name at construction).
+
+    backends = Backends.choose(device, dtype, compiled=True)
+    model = LlamaForCausalLM(config, backends=backends)   # every layer keeps what it was given
+
+The rules (BENCHMARKS.md "Few-row linears", "Compiled bf16 decode"):
+
+| where                     | CUDA with Triton                      | CPU                                    |
+|---------------------------|---------------------------------------|----------------------------------------|
+| cached attention, <= 9 q  | split-KV decode kernel (PDL with pdl) | the core over the gathered cache       |
+| cached attention, prompts | flash-attention prefill kernel        | the core (SDPA: its flash kernel)      |
+| attention core            | SDPA                                  | compiled: reductions inductor fuses    |
+| add + post-attention norm | one fused kernel                      | torch                                  |
+| dense MLP (not FP8)       | one gate/up GEMM + SwiGLU kernel      | torch                                  |
+| top-1 MoE, few tokens     | a kernel reading the chosen experts   | torch                                  |
+| linears of <= 8 rows      | F.linear                              | compiled: streamed rows; eager fp32    |
+|                           |                                       | without AVX-512: W @ x^T               |
+| decoder layers            | one graph                             | compiled: one compile region each kind |
+
+`describe()` names what was chosen (`redline info` prints it) and each layer's repr shows its own.
+`TORCH` is the plain torch choice, for models built outside the engine (training, tests).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from redline.kernels import HAS_TRITON
+from redline.kernels.attention_core import attention_by_reductions, sdpa_attention
+from redline.layers.linear import FewRows, streamed_rows, weight_times_xt
+
+# (q [B, T, Hq, D], k_cache, v_cache [blocks, Hkv, BLOCK, D], positions [B, T], tables [B, n] int32, kv_len,
+#  chunk) -> [B, T, Hq, D]: attention of the T queries over positions [0, kv_len) of their block tables
+CachedAttention = Callable[..., torch.Tensor]
+# (q [B, T, Hq, D], keys, values [B, Hkv, S, D], mask [B or 1, 1, T, S] bool) -> [B, T, Hq, D]
+AttentionCore = Callable[..., torch.Tensor]
+# (attended, residual [..., H], norm weight [H], eps) -> (normed, residual + attended)
+AddNorm = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def backend_name(fn: Callable[..., Any] | None) -> str:
+    """ "torch" for None, a function's name, a partial's with its keywords: "decode_attention(pdl=True)"."""
+    if fn is None:
+        return "torch"
+    if isinstance(fn, functools.partial):
+        keywords = ", ".join(f"{k}={v}" for k, v in fn.keywords.items())
+        return f"{backend_name(fn.func)}({keywords})"
+    # a torch.library op (the Triton kernels) is named by its _name
+    return getattr(fn, "__name__", None) or getattr(fn, "_name", type(fn).__name__)
+
+
+@dataclass(frozen=True)
+class Backends:
+    decode_attention: CachedAttention | None = None  # None: the core over the gathered cache
+    prefill_attention: CachedAttention | None = None
+    attention_core: AttentionCore = sdpa_attention
+    add_norm: AddNorm | None = None  # None: torch's add, then the RMSNorm module
+    swiglu: Callable[[torch.Tensor], torch.Tensor] | None = None  # [M, 2I] -> [M, I] after one gate/up GEMM
+    moe_top1: Callable[..., torch.Tensor] | None = None  # moe_top1.py's signature
+    few_rows: FewRows | None = None  # products of <= FEW_ROWS rows; None: F.linear
+    layer_regions: bool = False  # decoder layers as nested compile regions (models/llama.run_layer)
+
+    @classmethod
+    def choose(
+        cls,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        compiled: bool,
+        pdl: bool = False,
+        fp8_weights: bool = False,
+    ) -> Backends:
+        """The table above. pdl (programmatic dependent launch) needs Triton on a Hopper or newer GPU;
+        fp8_weights (an FP8 checkpoint, or quantization on load) keeps the dense MLPs' and experts' torch
+        paths, whose kernels read high-precision weights."""
+        device = torch.device(device)
+        if device.type == "cuda" and HAS_TRITON:
+            return cls._triton(device, dtype, pdl, fp8_weights)
+        if pdl:
+            raise ValueError("programmatic dependent launch needs Triton and a Hopper or newer GPU")
+        if device.type != "cpu":
+            return TORCH
+        few_rows = None
+        if compiled and dtype in (torch.float32, torch.bfloat16, torch.float16):
+            importlib.import_module("torch._inductor.inductor_prims")  # registers what linear.stored uses
+            few_rows = streamed_rows
+        elif dtype == torch.float32 and torch.backends.cpu.get_cpu_capability() != "AVX512":
+            few_rows = weight_times_xt
+        core = attention_by_reductions if compiled else sdpa_attention
+        return cls(attention_core=core, few_rows=few_rows, layer_regions=compiled)
+
+    @classmethod
+    def _triton(cls, device: torch.device, dtype: torch.dtype, pdl: bool, fp8_weights: bool) -> Backends:
+        from redline.kernels.decode_attention import decode_attention
+        from redline.kernels.moe_top1 import moe_top1
+        from redline.kernels.prefill_attention import prefill_attention
+        from redline.kernels.rms_norm import fused_add_norm
+        from redline.kernels.swiglu import swiglu
+
+        if pdl and torch.cuda.get_device_capability(device) < (9, 0):
+            raise ValueError("programmatic dependent launch needs a Hopper or newer GPU (compute 9.0+)")
+        return cls(
+            decode_attention=functools.partial(decode_attention, pdl=pdl),
+            prefill_attention=functools.partial(prefill_attention, **prefill_tiles(dtype)),
+            add_norm=fused_add_norm,
+            swiglu=None if fp8_weights else swiglu,
+            moe_top1=None if fp8_weights else moe_top1,
+        )
+
+    def describe(self) -> dict[str, str]:
+        """What runs where: {"decode attention": "decode_attention(pdl=False)", "linears <= 8 rows": ...}."""
+        return {
+            "decode attention": backend_name(self.decode_attention),
+            "prefill attention": backend_name(self.prefill_attention),
+            "attention core": backend_name(self.attention_core),
+            "add + norm": backend_name(self.add_norm),
+            "dense MLP": "gate/up GEMM + " + backend_name(self.swiglu) if self.swiglu else "torch",
+            "top-1 MoE": backend_name(self.moe_top1),
+            "linears <= 8 rows": backend_name(self.few_rows),
+            "layer compile regions": str(self.layer_regions),
+        }
+
+
+def prefill_tiles(dtype: torch.dtype) -> dict[str, int]:
+    """Query x key tile of the prefill kernel: 128 x 64 for 16-bit models (flash-attention's forward
+    tile on Hopper, 8 warps); 64 x 32 in fp32, whose tiles take twice the registers and shared memory."""
+    if dtype.itemsize <= 2:
+        return {"block_m": 128, "block_n": 64}
+    return {"block_m": 64, "block_n": 32}
+
+
+TORCH = Backends()

@@ -1,0 +1,205 @@
+"""Executes step plans on one rank's device: the model(s), the KV caches, the per-slot state, the step.
+
+`execute(plan)` applies the plan's set-up (runner/slots.py), runs its prefill forward and its decode step
+on the device, then reads both back with one wait: the prefill's first tokens and the step's output copy
+to the host after the step is launched. The runner holds no scheduling state: which request is in which
+slot, which blocks it holds and what decodes are the scheduler's (engine/scheduler.py), told through the
+plan. Every shape a step can run at is known when the runner is built (Shapes); compiled and captured
+stages (compiled_step.py, compiled_prefill.py, cuda_graphs.py) wrap the step and the prefill forward,
+and warm_up.py compiles them all before the first request.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from redline import logprobs
+from redline.kernels.paged_kv import BLOCK
+from redline.models.eagle3 import Eagle3Draft
+from redline.models.kv_cache import KVCache
+from redline.models.llama import LlamaForCausalLM
+from redline.runner import kv_budget
+from redline.runner.compiled_prefill import CompiledPrefill, prefill_shapes
+from redline.runner.compiled_step import CompiledStep
+from redline.runner.cuda_graphs import GraphedStep
+from redline.runner.plan import DecodeBatch, DecodeResult, Shapes, StageError, StepPlan, StepResult
+from redline.runner.prefill import DevicePrefill, Prefill
+from redline.runner.slots import DeviceSlots
+from redline.sampling import SamplingTensors
+from redline.speculative.emit import Emitter
+from redline.speculative.step import DecodeState, DecodeStep
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        shapes: Shapes,
+        draft: Eagle3Draft | None = None,
+        compile: bool = False,
+        cuda_graphs: bool | None = None,  # None: on CUDA devices
+        kv_cache_dtype: torch.dtype | None = None,  # None: the model's; torch.float8_e4m3fn halves it
+        kv_cache_memory: int | None = None,  # bytes of KV blocks (None: engine defaults, kv_budget.py)
+        gpu_memory_utilization: float = 0.9,  # CUDA without kv_cache_memory: the device's share
+    ):
+        """shapes.k > 0 needs a draft. The model's layers got their kernels when they were built
+        (layers/backends.py); compile wraps the step and the prefill in torch.compile."""
+        if (draft is None) != (shapes.k == 0):
+            raise ValueError(f"draft length {shapes.k} with {'no' if draft is None else 'a'} draft")
+        self.model, self.draft, self.shapes = model, draft, shapes
+        param = next(model.parameters())
+        self.device = param.device
+        kv_dtype = kv_cache_dtype or param.dtype
+        configs = [model.config] + ([draft.config.layer] if draft is not None else [])
+        self.block_bytes = sum(
+            2 * c.num_layers * c.num_kv_heads * BLOCK * c.head_dim * kv_dtype.itemsize for c in configs
+        )  # fmt: skip
+        # the decode state first: its per-slot penalty counts ([slots, V]) count as memory in use for the KV
+        # budget measured next
+        draft_vocab = draft.config.draft_vocab_size if draft is not None else None
+        state = DecodeState.empty(shapes.slots, shapes.k, model.config.vocab_size, draft_vocab, self.device)
+        sampling = SamplingTensors.zeros(shapes.slots, self.device)
+        self.num_blocks = self._pool_blocks(kv_cache_memory, gpu_memory_utilization)
+        blocks = self.num_blocks + 1  # and the cache's scratch block
+        cache = KVCache(model.config, shapes.slots, shapes.cache_len, kv_dtype, self.device, blocks)
+        draft_cache = None
+        if draft is not None:
+            draft_cache = KVCache(draft.config.layer, shapes.slots, shapes.cache_len, kv_dtype, self.device,
+                                  blocks)  # fmt: skip
+            draft_cache.table = cache.table  # the same positions: the same blocks
+        self.slots = DeviceSlots(cache, draft_cache, state, sampling)
+        emitter = Emitter(model, draft, shapes.k)
+        self.step = DecodeStep(emitter, cache, draft_cache, state, sampling)
+        self.compiled_prefill = self.compiled_step = self.graphed_step = None
+        forward = lambda tokens, positions, tables, kv_len: model(
+            tokens, positions, cache.layers, tables, kv_len
+        )
+        self._run_step = self.step
+        if compile:
+            prefill_graphs = 2 * len(prefill_shapes(shapes.cache_len, model.token_count_branches()))
+            forward = self.compiled_prefill = CompiledPrefill(model, cache, prefill_graphs)
+            step_graphs = len({(rows, logits) for rows, _, logits in shapes.step_keys()})
+            self._run_step = self.compiled_step = CompiledStep(self.step, shapes.cache_len, self.device,
+                                                               step_graphs)  # fmt: skip
+        if cuda_graphs if cuda_graphs is not None else self.device.type == "cuda":
+            self._run_step = self.graphed_step = GraphedStep(self._run_step, state)
+        self.prefill = Prefill(emitter, forward, self.slots, shapes)
+        pin = self.device.type == "cuda" and torch.cuda.is_available()
+        k = shapes.k
+        width = k + 2 + (k + 1) * logprobs.width(model.config.vocab_size)  # the logits path's output
+        self._host_tokens = torch.zeros((shapes.slots, k + 2), dtype=torch.int64, pin_memory=pin)
+        self._host_logprobs = torch.zeros((shapes.slots, width), dtype=torch.int64, pin_memory=pin)
+
+    @torch.inference_mode()
+    def run_step(self, rows: int, kv_len: int, any_sampling: bool) -> torch.Tensor:
+        """The decode step over slots [0, rows) as the engine runs it: eager (`step`), compiled or captured.
+        Returns what DecodeStep does: [rows, K + 2 (+ the packed logprobs on the logits path)]."""
+        return self._run_step(rows, kv_len, any_sampling)
+
+    @property
+    def cache(self) -> KVCache:
+        return self.slots.cache
+
+    @property
+    def state(self) -> DecodeState:
+        return self.slots.state
+
+    def _pool_blocks(self, kv_cache_memory: int | None, gpu_memory_utilization: float) -> int:
+        """Blocks of the KV pool: kv_cache_memory / block bytes, or by default (runner/kv_budget.py) on CUDA
+        a share of the device's memory, on CPU every slot's whole context up to 4 GiB."""
+        one_context = -(-self.shapes.cache_len // BLOCK)
+        if kv_cache_memory is None and self.device.type != "cuda":
+            whole = self.shapes.slots * one_context
+            return self.model.tp.min_int(kv_budget.cpu_kv_blocks(whole, one_context, self.block_bytes))
+        if kv_cache_memory is None:
+            kv_cache_memory = kv_budget.measured_cuda_kv_bytes(
+                self.device, gpu_memory_utilization, self._largest_prefill
+            )
+        blocks = self.model.tp.min_int(kv_cache_memory // self.block_bytes)  # every rank's pool alike
+        if blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory {kv_cache_memory:,} bytes holds no KV block ({self.block_bytes:,} bytes "
+                f"each: {BLOCK} positions of every layer's keys and values, target and draft)"
+            )
+        return blocks
+
+    @torch.inference_mode()
+    def _largest_prefill(self) -> None:
+        """A prefill forward of up to kv_budget.PROFILED_TOKENS tokens without a cache: the activation peak
+        the budget leaves room for (the draft's, over the same tokens, is smaller)."""
+        n = min(self.shapes.cache_len, kv_budget.PROFILED_TOKENS)
+        tokens = torch.zeros((1, n), dtype=torch.int64, device=self.device)
+        hidden, _ = self.model(tokens, torch.arange(n, device=self.device)[None])
+        self.model.logits(hidden[:, -1:])
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Runs the plan; a stage that raises raises StageError naming it (its cause chained), carrying
+        what an earlier prefill stage gave when the decode step failed."""
+        try:
+            self.slots.apply(plan)
+        except Exception as error:
+            raise StageError("setup") from error
+        prefilled: DevicePrefill | None = None
+        if plan.prefill is not None:
+            try:
+                prefilled = self.prefill.run(plan.prefill)
+            except Exception as error:
+                raise StageError("prefill") from error
+        host = None
+        if plan.decode is not None:
+            try:
+                host = self._launch_decode(plan.decode)
+            except Exception as error:
+                raise StageError("decode step", self._read_prefill(plan, prefilled)) from error
+        results = self._read_prefill(plan, prefilled)
+        if plan.decode is None or host is None:
+            return StepResult(results)
+        try:
+            return StepResult(results, self._read_decode(plan.decode, host))
+        except Exception as error:
+            raise StageError("decode step", results) from error
+
+    def _read_prefill(self, plan: StepPlan, prefilled: DevicePrefill | None) -> list:
+        if plan.prefill is None or prefilled is None:
+            return []
+        try:
+            return Prefill.read(plan.prefill, prefilled)
+        except Exception as error:
+            raise StageError("prefill") from error
+
+    def _launch_decode(self, batch: DecodeBatch) -> torch.Tensor:
+        """The step over slots [0, rows), its output copying to the host (not waited for)."""
+        out = self.run_step(batch.rows, batch.kv_len, batch.logits)
+        if not batch.logprobs:  # the packed log-probabilities stay on the device
+            out = out[:, : self.shapes.k + 2]
+        host = (self._host_tokens if out.shape[1] == self.shapes.k + 2 else self._host_logprobs)[: batch.rows]
+        host.copy_(out, non_blocking=True)
+        return host
+
+    def _read_decode(self, batch: DecodeBatch, host: torch.Tensor) -> DecodeResult:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        k = self.shapes.k
+        rows = host[:, : k + 2].tolist()
+        tokens, accepted = [row[: k + 1] for row in rows], [row[k + 1] for row in rows]
+        chosen = {}
+        for slot, top in batch.logprobs.items():
+            packed = host[slot, k + 2 :].view(k + 1, -1)
+            chosen[slot] = logprobs.unpack(packed, tokens[slot][: accepted[slot] + 1], top)
+        return DecodeResult(tokens, accepted, chosen)
+
+    @torch.inference_mode()
+    def log_probs(self, tokens: list[int]) -> torch.Tensor:  # [T - 1, V] fp32, on the CPU
+        """Log-probabilities of every next token after each prefix of `tokens` (no cache: `redline eval`'s
+        perplexity and KL)."""
+        inputs = torch.tensor([tokens[:-1]], device=self.device)
+        hidden, _ = self.model(inputs, torch.arange(inputs.shape[1], device=self.device)[None])
+        return self.model.logits(hidden)[0].log_softmax(-1).cpu()
+
+    def lost(self) -> str | None:
+        """One process: no other rank to lose (ranks.RankGroup reports its workers)."""
+        return None
+
+    def close(self) -> None:
+        """Nothing to stop on one process."""

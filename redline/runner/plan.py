@@ -1,0 +1,191 @@
+"""What the scheduler asks of the runner each step (StepPlan), what it gets back (StepResult), and the
+shapes both must agree on (Shapes). Plain, picklable values: under tensor parallelism rank 0 sends each
+plan to every rank once per step (runner/ranks.py).
+
+A plan is applied in order: slots released (their requests left), block-table rows written, slots set up
+for new requests (sampling parameters, penalty counts), one prefill forward, one decode step. A request
+whose final prefill chunk runs in a plan decodes in the same plan: the prefill leaves its slot ready
+(pending token, position), and the decode step reads it.
+
+Example: slot 2 finished last step; a 40-token prompt joins slot 2 with blocks 7, 8, 9 (40 tokens plus a
+step's lookahead); slots 0 and 1 decode at positions 90 and 17:
+    StepPlan(released=(2,), tables=(TableUpdate(2, 0, (7, 8, 9)),), admitted=(SlotSetup(2, ...),),
+             prefill=PrefillBatch((PrefillChunk(2, prompt, 0, True, 0, ...),), logits=False),
+             decode=DecodeBatch(rows=4, kv_len=128, logits=False, logprobs={}))
+Slot 2 decodes too (from position 40); slot 3 is free: its row computes in the scratch block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from redline.kernels.paged_kv import BLOCK, kv_bucket
+from redline.logprobs import TokenLogprob
+from redline.sampling import SamplingParams
+
+ALIGN = 16  # prefill rows are padded to a multiple of this
+
+
+def padded_len(n: int, cache_len: int) -> int:
+    """A prefill row's padded length: 5 -> 16, 20 -> 32, 33 -> 48; capped at cache_len."""
+    return min(max(ALIGN, -(-n // ALIGN) * ALIGN), cache_len)
+
+
+class SlotSampling(NamedTuple):
+    """A request's sampling parameters as the device holds them (sampling.SamplingTensors' row)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    presence: float
+    frequency: float
+    repetition: float
+    seed: int  # 32-bit
+
+    @classmethod
+    def of(cls, params: SamplingParams, seed: int) -> SlotSampling:
+        p = params
+        return cls(p.temperature, p.top_k, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
+                   p.repetition_penalty, (seed ^ (seed >> 32)) & 0xFFFFFFFF)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SlotSetup:
+    """A request entering a slot (new, or back after a preemption)."""
+
+    slot: int
+    sampling: SlotSampling
+    penalty_tokens: tuple[int, ...] | None = None  # penalized requests: prompt + outputs so far
+    prompt_len: int = 0  # penalty_tokens[:prompt_len] is the prompt
+
+
+@dataclass(frozen=True)
+class TableUpdate:
+    """Blocks `blocks` at entries start, start + 1, ... of the slot's block table."""
+
+    slot: int
+    start: int
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Positions [start, start + len(tokens)) of one slot's sequence (its prompt, or prompt + outputs when
+    a preempted request comes back)."""
+
+    slot: int
+    tokens: tuple[int, ...]
+    start: int
+    final: bool  # the chunk that ends the sequence: its last row gives the first new token
+    next_token: int = 0  # the token at start + len(tokens) (not final: the next chunk's first)
+    logprobs: int | None = None  # final: report the first token's logprob with the top N
+    prompt_logprobs: int | None = None  # report the logprobs of the prompt tokens after each row (top N)
+    prompt_len: int = 0  # with prompt_logprobs: positions [0, prompt_len) are the prompt
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+@dataclass(frozen=True)
+class PrefillBatch:
+    chunks: tuple[PrefillChunk, ...]
+    logits: bool  # first tokens through the logits path (some request samples, is penalized, or logprobs)
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    rows: int  # slots [0, rows): a batch bucket
+    kv_len: int  # a kv bucket covering every row's writes
+    logits: bool  # the logits path: some row samples, is penalized or reports logprobs
+    logprobs: dict[int, int] = field(default_factory=dict)  # slot -> top N, for slots reporting logprobs
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    released: tuple[int, ...] = ()
+    tables: tuple[TableUpdate, ...] = ()
+    admitted: tuple[SlotSetup, ...] = ()
+    prefill: PrefillBatch | None = None
+    decode: DecodeBatch | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not (self.released or self.tables or self.admitted or self.prefill or self.decode)
+
+
+@dataclass
+class ChunkResult:
+    first: int | None  # a final chunk's first generated token
+    logprob: TokenLogprob | None = None  # its log-probability, when asked for
+    prompt_logprobs: list[TokenLogprob] | None = None  # of the prompt tokens after each of the chunk's rows
+
+
+@dataclass
+class DecodeResult:
+    tokens: list[list[int]]  # per row of the batch: its K + 1 emitted tokens, the first n_acc + 1 new
+    accepted: list[int]  # per row: n_acc, drafts accepted
+    logprobs: dict[int, list[TokenLogprob]]  # slots reporting logprobs: their n_acc + 1 new tokens'
+
+
+@dataclass
+class StepResult:
+    prefill: list[ChunkResult] = field(default_factory=list)  # per chunk of plan.prefill
+    decode: DecodeResult | None = None
+
+
+class StageError(RuntimeError):
+    """A stage of a plan raised (`__cause__` is why). stage: "setup", "prefill" or "decode step";
+    prefill: what an earlier prefill stage gave, when the decode step failed."""
+
+    def __init__(self, stage: str, prefill: list[ChunkResult] | None = None):
+        super().__init__(stage)
+        self.stage, self.prefill = stage, prefill
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The shapes every step runs at, known when the engine is built: slots, context, draft length K.
+
+    A step writes up to K positions past the last accepted token (the target's verified rows) and the
+    draft chain 2K - 1 past it, so a slot holds blocks for positions [0, position + lookahead) and the
+    cache has room for max_len + 2K + 1 positions.
+    """
+
+    slots: int
+    max_len: int  # prompt + output tokens of a request
+    k: int  # draft tokens per step (0: plain decoding)
+
+    @property
+    def cache_len(self) -> int:
+        return self.max_len + 2 * self.k + 1
+
+    @property
+    def lookahead(self) -> int:
+        return 2 * self.k + 2
+
+    def batch_bucket(self, rows_needed: int) -> int:
+        """Rows a step runs over: the next power of two (1, 2, 4, ...), at most `slots`. 3 -> 4."""
+        rows = 1
+        while rows < rows_needed:
+            rows *= 2
+        return min(rows, self.slots)
+
+    def kv_len_for(self, last_position: int) -> int:
+        """Keys a step must see when the furthest slot's pending token sits at last_position."""
+        return kv_bucket(last_position + 2 * self.k + 1, self.cache_len)
+
+    def prefill_len(self, n: int) -> int:
+        return padded_len(n, self.cache_len)
+
+    def blocks_for(self, positions: int) -> int:
+        return -(-min(positions, self.cache_len) // BLOCK)
+
+    def step_keys(self) -> list[tuple[int, int, bool]]:
+        """Every (rows, kv_len, logits) a decode step can run at: rows a batch bucket, kv_len a kv bucket
+        (64, 128, ..., cache_len). 16 slots x 4,096 tokens, K = 3: 5 x 8 x 2 keys."""
+        rows = sorted({self.batch_bucket(n) for n in range(1, self.slots + 1)})
+        kv_lens = sorted({self.kv_len_for(p) for p in range(self.cache_len - 2 * self.k)})
+        return [(r, kv, logits) for r in rows for kv in kv_lens for logits in (False, True)]

@@ -1,0 +1,65 @@
+"""The per-slot state on the device, and how a plan's first part changes it: slots released, block-table
+rows written, slots set up for new requests. Everything a captured step reads lives here, in tensors
+allocated once; a plan only writes into them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from redline.models.kv_cache import KVCache
+from redline.runner.plan import SlotSetup, StepPlan, TableUpdate
+from redline.sampling import SamplingTensors
+from redline.speculative.step import DecodeState
+
+
+@dataclass
+class DeviceSlots:
+    cache: KVCache  # the target's layers, and the block table of every slot (the draft's cache shares it)
+    draft_cache: KVCache | None
+    state: DecodeState
+    sampling: SamplingTensors
+
+    @property
+    def device(self) -> torch.device:
+        return self.state.pos.device
+
+    def apply(self, plan: StepPlan) -> None:
+        """Releases, then table rows, then set-ups: a slot freed and taken again in one plan ends up set
+        for its new request."""
+        for slot in plan.released:
+            self.release(slot)
+        for update in plan.tables:
+            self.write_table(update)
+        for setup in plan.admitted:
+            self.set_up(setup)
+
+    def release(self, slot: int) -> None:
+        """The slot stops decoding; its table row points at the scratch block again."""
+        self.state.active[slot] = False
+        self.cache.table[slot] = self.cache.scratch_block
+
+    def write_table(self, update: TableUpdate) -> None:
+        if update.blocks:
+            end = update.start + len(update.blocks)
+            blocks = torch.tensor(update.blocks, dtype=torch.int32)
+            self.cache.table[update.slot, update.start : end] = blocks.to(self.device)
+
+    def set_up(self, setup: SlotSetup) -> None:
+        """Sampling parameters, and for penalized requests the prompt-token mask and the generated-token
+        counts (after a preemption, of the outputs so far: penalties.py)."""
+        s, slot = self.sampling, setup.slot
+        for tensor, value in zip(
+            (s.temperature, s.top_k, s.top_p, s.min_p, s.presence, s.frequency, s.repetition, s.seed),
+            setup.sampling,
+            strict=True,
+        ):
+            tensor[slot] = value
+        if setup.penalty_tokens is not None:
+            ids = torch.tensor(setup.penalty_tokens, dtype=torch.int64, device=self.device)
+            state = self.state
+            state.seen[slot] = False
+            state.seen[slot, ids[: setup.prompt_len]] = True
+            state.counts[slot] = torch.bincount(ids[setup.prompt_len :], minlength=state.counts.shape[1])

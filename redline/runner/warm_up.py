@@ -1,0 +1,83 @@
+"""Compiling and capturing every shape a runner can meet, before the first request.
+
+- the prefill: one graph with the batch, chunk length and keys dynamic, plus one per side of a length
+  branch in the model (a Llama 4 MoE layer's few-token path): prefill_shapes visits them all;
+- the decode step: compiled, one graph per (rows, sampling), run once at the smallest kv bucket (kv_len is
+  a dynamic dimension); captured as CUDA graphs, one per (rows, kv_len, sampling) key;
+- one real prompt through the eager parts (the draft's priming pass: on CUDA its Triton kernels compile
+  on first use).
+
+Then every stage freezes: a shape outside the set raises (the step) or runs eagerly with a warning (the
+prefill) instead of compiling while serving. Free slots compute at position 0 in the scratch block and
+never advance; the prompt's slot is released again, and the KV entries written are rewritten before they
+are read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from tqdm import tqdm
+
+from redline.kernels.paged_kv import BLOCK
+from redline.runner.compiled_prefill import prefill_shapes
+from redline.runner.model_runner import ModelRunner
+from redline.runner.one_slot import fill_slot, release_slot
+
+WARM_UP_PROMPT = 20  # tokens of the eager prompt run
+
+
+def needs_warm_up(runner: ModelRunner) -> bool:
+    return any(s is not None for s in (runner.compiled_prefill, runner.compiled_step, runner.graphed_step))
+
+
+def step_keys_to_run(runner: ModelRunner) -> list[tuple[int, int, bool]]:
+    """The step keys warm-up runs: all of them for CUDA graphs (one graph per key), else one per (rows,
+    sampling) at the smallest kv bucket: a compiled step has one graph for every kv_len."""
+    keys = runner.shapes.step_keys()
+    if runner.graphed_step is not None:
+        return keys
+    smallest_kv: dict[tuple[int, bool], int] = {}
+    for rows, kv_len, sampling in keys:
+        smallest_kv.setdefault((rows, sampling), kv_len)
+    return [(rows, kv_len, sampling) for (rows, sampling), kv_len in smallest_kv.items()]
+
+
+@torch.inference_mode()
+def warm_up(runner: ModelRunner, progress: bool = True) -> None:
+    shapes = runner.shapes
+    work: list[tuple[str, Callable[[], object]]] = []
+    if runner.compiled_prefill is not None:
+        for rows, n in prefill_shapes(shapes.cache_len, runner.model.token_count_branches()):
+            if rows <= shapes.slots:  # free slots' tables: every write lands in the scratch block
+                work.append((f"prefill {rows}x{n}", lambda rows=rows, n=n: _prefill(runner, rows, n)))
+    for rows, kv_len, sampling in step_keys_to_run(runner):
+        key = (rows, kv_len, sampling)
+        work.append((f"step {rows}x{kv_len}", lambda key=key: runner.run_step(*key)))
+    work.append(("prompt", lambda: _prompt(runner)))
+    with tqdm(work, desc="compiling" if runner.compiled_step else "capturing", disable=not progress) as bar:
+        for name, run in bar:
+            bar.set_postfix_str(name)
+            run()
+    for stage in (runner.compiled_prefill, runner.compiled_step, runner.graphed_step):
+        if stage is not None:
+            stage.freeze()
+
+
+def _prefill(runner: ModelRunner, rows: int, length: int) -> None:
+    """One compiled prefill of `rows` x `length` tokens over free slots' tables (the scratch block)."""
+    assert runner.compiled_prefill is not None
+    device = runner.device
+    tokens = torch.zeros((rows, length), dtype=torch.int64, device=device)
+    positions = torch.arange(length, device=device).expand(rows, -1).contiguous()
+    tables = runner.cache.table[torch.arange(rows, device=device)]
+    runner.compiled_prefill(tokens, positions, tables, min(length + BLOCK, runner.shapes.cache_len))
+
+
+def _prompt(runner: ModelRunner) -> None:
+    """A whole prompt in slot 0 over the pool's first blocks (nothing holds them yet), then released."""
+    shapes = runner.shapes
+    prompt = (0,) * max(1, min(WARM_UP_PROMPT, shapes.max_len - 1))
+    fill_slot(runner, prompt, positions=len(prompt) + shapes.lookahead)
+    release_slot(runner)

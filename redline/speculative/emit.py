@@ -1,0 +1,125 @@
+"""Emitting tokens and proposing drafts: the one function behind a prefill's first tokens and every decode
+step.
+
+Given the target's hidden states at T positions of each row, with the T - 1 drafts that sit between them,
+it picks the target's tokens (argmax, or sampling with penalties and filters), verifies the drafts (greedy
+or by rejection), counts what it emitted for the penalties, and runs the draft's K proposals from the last
+accepted position. A decode step calls it with T = K + 1 (pending = last token + K drafts); a prefill with
+T = 1 at each chunk's last row (no drafts to verify). Under tensor parallelism every rank then takes
+rank 0's decisions, so all ranks feed the same tokens to the next forward.
+
+Example, K = 2, a decode row with pending [a, d1, d2] at positions [p, p + 1, p + 2]: the target's choices
+after a, d1, d2 are [d1, x, y] -> d1 accepted, d2 rejected (x != d2): tokens [d1, x, *], n_acc 1; the draft
+continues from the row at p + 1 (whose next token is now x) and proposes [e1, e2]; pending becomes
+[x, e1, e2] at position p + 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from redline import logprobs
+from redline.models.eagle3 import Eagle3Draft
+from redline.models.llama import LlamaForCausalLM
+from redline.penalties import count_emitted, counts_after_drafts, penalize
+from redline.sampling import SamplingTensors, filtered_probs
+from redline.speculative.propose import DraftInputs, propose
+from redline.speculative.verify import greedy_verify, rejection_verify
+
+
+@dataclass
+class Emitted:
+    tokens: torch.Tensor  # [B, T]: the first n_acc + 1 are new
+    accepted: torch.Tensor  # [B] n_acc
+    pending: torch.Tensor  # [B, K + 1]: the next step's input, the bonus token then K drafts
+    draft_probs: torch.Tensor | None  # [B, K, V_draft]: what the drafts were sampled from (logits path)
+    packed: torch.Tensor | None  # [B, T * logprobs.width]: the tokens' log-probabilities (logits path)
+
+
+class Emitter:
+    def __init__(self, target: LlamaForCausalLM, draft: Eagle3Draft | None, k: int):
+        self.target, self.draft, self.k = target, draft, k
+        if draft is not None:  # draft id -> target id for the whole draft vocabulary (q on the target's)
+            ids = torch.arange(draft.config.draft_vocab_size, device=draft.d2t.device)
+            self.draft_to_target = draft.to_target(ids)
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,  # [B, T, H] the target's final hidden states at the emitting positions
+        drafts: torch.Tensor,  # [B, T - 1] the drafts between them (the token after position j is drafts[j])
+        draft_probs: torch.Tensor | None,  # [B, T - 1, V_draft] what the drafts were sampled from
+        positions: torch.Tensor,  # [B, T] the emitting positions
+        sampling: SamplingTensors,  # rows B
+        counts: torch.Tensor | None,  # [B, V] int32 generated-token counts (logits path), updated in place
+        seen: torch.Tensor | None,  # [B, V] bool prompt tokens (logits path)
+        emitting: torch.Tensor,  # [B] bool rows that really emit (active slots, final chunks)
+        any_sampling: bool,  # the logits path (host-known): some row samples, is penalized or wants logprobs
+        draft_inputs: DraftInputs | None,
+    ) -> Emitted:
+        t = hidden.shape[1]
+        packed = None
+        if not any_sampling:  # argmax only: under tensor parallelism, no logits gathered
+            tokens, accepted = greedy_verify(self.target.greedy_tokens(hidden), drafts)
+        else:
+            assert counts is not None and seen is not None
+            logits = self.target.logits(hidden)  # [B, T, V]
+            penalized = penalize(logits, sampling, counts_after_drafts(counts, drafts), seen)
+            q = self._draft_q(draft_probs, drafts, sampling)
+            tokens, accepted = rejection_verify(filtered_probs(penalized, sampling), q, drafts, sampling.seed,
+                                                positions)  # fmt: skip
+            new = (torch.arange(t, device=tokens.device) <= accepted[:, None]) & emitting[:, None]  # [B, T]
+            count_emitted(counts, tokens, new)  # for the proposals below and the next step's penalties
+            packed = logprobs.pack(logits, tokens)
+        bonus = tokens.gather(1, accepted[:, None])  # [B, 1] the next pending[:, 0]
+        pending, probs = bonus, None
+        if self.draft is not None:
+            assert draft_inputs is not None
+            drafted, probs = self._propose(tokens, accepted, emitting, sampling, counts, seen, any_sampling,
+                                           draft_inputs)  # fmt: skip
+            pending = torch.cat((bonus, drafted), dim=1)
+            if self.target.tp.size > 1:  # rank 0's decisions (parallel/group.py)
+                decided = self.target.tp.from_first_rank(torch.cat((tokens, accepted[:, None], pending), 1))
+                tokens, accepted, pending = decided.split([t, 1, pending.shape[1]], dim=1)
+                accepted = accepted[:, 0]  # [B, T | 1 | K + 1] -> [B]
+        return Emitted(tokens, accepted, pending, probs, packed)
+
+    def _propose(
+        self,
+        tokens: torch.Tensor,  # [B, T]
+        accepted: torch.Tensor,  # [B]
+        emitting: torch.Tensor,  # [B]
+        sampling: SamplingTensors,
+        counts: torch.Tensor | None,  # [B, V]
+        seen: torch.Tensor | None,  # [B, V]
+        any_sampling: bool,
+        inputs: DraftInputs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # drafts [B, K] (target ids), probs [B, K, V_draft]
+        """The draft over the forward's rows, each emitting row reading the token emitted after it, then
+        the chain from row first_row + n_acc. Rows [3, 4] of L = 6 emit [x, y] -> next_tokens[:, 3:5] = [x, y]
+        (rows that do not emit keep the tokens they were given)."""
+        t = tokens.shape[1]
+        rows = inputs.first_row[:, None] + torch.arange(t, device=tokens.device)  # [B, T]
+        known = inputs.next_tokens.gather(1, rows)
+        next_tokens = inputs.next_tokens.scatter(1, rows, torch.where(emitting[:, None], tokens, known))
+        penalties = None
+        if any_sampling:  # the proposals are penalized as verification will be
+            assert counts is not None and seen is not None
+            penalties = (counts, seen)
+        assert self.draft is not None
+        row = inputs.first_row + accepted
+        return propose(self.draft, inputs, next_tokens, row, self.k, sampling, any_sampling, penalties)
+
+    def _draft_q(
+        self, draft_probs: torch.Tensor | None, drafts: torch.Tensor, sampling: SamplingTensors
+    ) -> torch.Tensor:  # [B, T - 1, V]
+        """The drafts' distributions on the target vocabulary; greedy rows get a one-hot on their draft
+        (their stored distributions may be stale, and greedy verification needs exactly that)."""
+        vocab = self.target.config.vocab_size
+        one_hot = torch.nn.functional.one_hot(drafts, vocab).float()
+        if draft_probs is None or drafts.shape[1] == 0:
+            return one_hot
+        index = self.draft_to_target.expand(*draft_probs.shape[:2], -1)
+        q = torch.zeros(*draft_probs.shape[:2], vocab, device=drafts.device).scatter_(-1, index, draft_probs)
+        return torch.where(sampling.temperature[:, None, None] > 0, q, one_hot)

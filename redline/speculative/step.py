@@ -1,0 +1,99 @@
+"""The decode step: target forward over pending tokens, verification, draft proposals, state update.
+
+A pure function of device tensors with static shapes (no host sync, no data-dependent branch), so it
+compiles with fullgraph=True and captures as one CUDA graph. Without a draft it is plain decoding
+(K = 0: pending holds just the last token).
+
+state, one row per slot:
+  pending [S, K + 1]  the last emitted token, then K draft tokens
+  pos [S]             absolute position of pending[:, 0]
+  active [S]          rows of free slots compute (at position 0, in the scratch block) but never advance
+  draft_probs [S, K, V_draft]  the distributions the drafts were sampled from (sampling requests only)
+  counts [S, V], seen [S, V]   penalized requests' generated-token counts, prompt-token mask (penalties.py)
+
+Two variants, chosen on the host: the argmax path when every row is greedy without penalties or logprobs,
+else the logits path (any_sampling): the target's logits, penalized, filtered, sampled or verified by
+rejection, and the emitted tokens' log-probabilities packed after the tokens (logprobs.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from redline.models.kv_cache import KVCache
+from redline.sampling import SamplingTensors
+from redline.speculative.emit import Emitter
+from redline.speculative.propose import DraftInputs
+
+
+@dataclass
+class DecodeState:
+    pending: torch.Tensor  # [S, K + 1] int64
+    pos: torch.Tensor  # [S] int64
+    active: torch.Tensor  # [S] bool
+    draft_probs: torch.Tensor | None  # [S, K, V_draft] fp32
+    counts: torch.Tensor  # [S, V] int32
+    seen: torch.Tensor  # [S, V] bool
+
+    @classmethod
+    def empty(
+        cls, slots: int, k: int, vocab: int, draft_vocab: int | None, device: torch.device
+    ) -> DecodeState:
+        probs = None if draft_vocab is None else torch.zeros(slots, k, draft_vocab, device=device)
+        return cls(
+            pending=torch.zeros(slots, k + 1, dtype=torch.int64, device=device),
+            pos=torch.zeros(slots, dtype=torch.int64, device=device),
+            active=torch.zeros(slots, dtype=torch.bool, device=device),
+            draft_probs=probs,
+            counts=torch.zeros(slots, vocab, dtype=torch.int32, device=device),
+            seen=torch.zeros(slots, vocab, dtype=torch.bool, device=device),
+        )
+
+
+class DecodeStep:
+    """Callable step over slots [0, rows). Returns out [rows, K + 2 (+ (K + 1) x logprobs.width)]: emitted
+    tokens [:, :K + 1] (the first n_acc + 1 are new), n_acc, and on the logits path the emitted tokens'
+    packed log-probabilities, so the host reads one tensor per step."""
+
+    def __init__(
+        self,
+        emitter: Emitter,
+        cache: KVCache,
+        draft_cache: KVCache | None,
+        state: DecodeState,
+        sampling: SamplingTensors,
+    ):
+        self.emit, self.target, self.k = emitter, emitter.target, emitter.k
+        self.cache, self.draft_cache = cache, draft_cache
+        self.state, self.sampling = state, sampling
+
+    def __call__(self, rows: int, kv_len: int, any_sampling: bool) -> torch.Tensor:
+        st, k = self.state, self.k
+        pending, active = st.pending[:rows], st.active[:rows]
+        # A free slot still computes when it lies inside the batch bucket, from whatever state its last
+        # request left: a request that ended at the context limit leaves pos up to max_len + K, and the
+        # draft chain writes pos + 2K - 1, past the cache. Free rows compute at position 0 instead.
+        pos = torch.where(active, st.pos[:rows], 0)
+        sampling = self.sampling.rows(0, rows)
+        positions = pos[:, None] + torch.arange(k + 1, device=pos.device)  # [B, K + 1]
+        # free rows, and slots still prefilling chunk by chunk, read and write the scratch block only
+        tables = torch.where(active[:, None], self.cache.tables(0, rows), self.cache.scratch_block)
+        hidden, aux = self.target(pending, positions, self.cache.layers, tables, kv_len)
+        draft_inputs = None
+        if self.draft_cache is not None:
+            assert aux is not None
+            first_row = torch.zeros_like(pos)  # every row of the forward emits: K + 1 verified positions
+            draft_inputs = DraftInputs(aux, pending, positions, first_row, self.draft_cache.layers[0], tables,
+                                       kv_len)  # fmt: skip
+        draft_probs = None if st.draft_probs is None else st.draft_probs[:rows]
+        counts, seen = st.counts[:rows], st.seen[:rows]
+        e = self.emit(hidden, pending[:, 1:], draft_probs, positions, sampling, counts, seen, active,
+                      any_sampling, draft_inputs)  # fmt: skip
+        st.pending[:rows] = torch.where(active[:, None], e.pending, pending)
+        st.pos[:rows] = pos + (e.accepted + 1) * active
+        if e.draft_probs is not None and st.draft_probs is not None:
+            st.draft_probs[:rows] = e.draft_probs
+        out = torch.cat((e.tokens, e.accepted[:, None]), dim=1)
+        return torch.cat((out, e.packed), dim=1) if e.packed is not None else out
