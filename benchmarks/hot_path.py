@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import math
 import os
 import subprocess
 import sys
@@ -104,7 +105,9 @@ def measure(tree: Path, target: Path, draft: Path, args: argparse.Namespace, cac
     env.pop("REDLINE_COMPILE", None)
     command = [sys.executable, __file__, "--child", str(target), str(draft), str(args.tokens),
                str(args.rounds)]  # fmt: skip
-    done = subprocess.run(command, env=env, cwd=tree, stdout=subprocess.PIPE, text=True, check=True)
+    done = subprocess.run(command, env=env, cwd=tree, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{tree} failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -115,7 +118,7 @@ def weight_bytes(model_dir: Path) -> int:
     total = 0
     for path in model_dir.glob("*.safetensors"):
         with safe_open(path, "pt") as f:
-            total += sum(f.get_slice(k).get_shape().numel() * 2 for k in f.keys())  # noqa: SIM118 (bf16)
+            total += sum(math.prod(f.get_slice(k).get_shape()) * 2 for k in f.keys())  # noqa: SIM118 (bf16)
     return total
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +65,18 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _check_types(group: Any) -> None:
+    """Every field holds its declared type: max_num_seqs=8, not "8" or 1.5 (an int is a float too, a
+    bool is no int); TypeError naming the field otherwise."""
+    hints = typing.get_type_hints(type(group))
+    for f in dataclasses.fields(group):
+        value, kinds = getattr(group, f.name), typing.get_args(hints[f.name]) or (hints[f.name],)
+        kinds = (*kinds, int) if float in kinds else kinds
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            names = " or ".join("None" if k is type(None) else k.__name__ for k in kinds)
+            raise TypeError(f"{f.name} must be {names}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class LoadConfig:
     model: str = option("", "checkpoint directory, llama .gguf file or Hugging Face Hub id (ORG/NAME)")
@@ -75,14 +89,14 @@ class LoadConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        _check_types(self)
         _require(self.dtype in (*DTYPES, "fp8", "auto"), f"unknown dtype {self.dtype!r}; choose one of "
                  f"{', '.join(DTYPES)}, fp8, auto")  # fmt: skip
         _require(
             self.quantization in (None, "fp8"), f"unknown quantization {self.quantization!r}; choose fp8"
         )
-        _require(
-            self.device.split(":")[0] in ("cpu", "cuda"), f"unknown device {self.device!r}: cpu | cuda[:N]"
-        )
+        _require(re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
+                 f"unknown device {self.device!r}: cpu | cuda | cuda:N")  # fmt: skip
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -102,6 +116,7 @@ class ParallelConfig:
     )  # fmt: skip
 
     def __post_init__(self) -> None:
+        _check_types(self)
         size = self.tensor_parallel_size
         _require(size >= 1, f"tensor_parallel_size must be at least 1, got {size}")
         _require(
@@ -144,6 +159,9 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_cache_dtype", kv := dtype_name(self.kv_cache_dtype))
+        if isinstance(self.kv_cache_memory_bytes, str):  # LLM(..., kv_cache_memory="2GiB")
+            object.__setattr__(self, "kv_cache_memory_bytes", parse_bytes(self.kv_cache_memory_bytes))
+        _check_types(self)
         _require(
             kv in (*DTYPES, "fp8", "auto"), f"unknown kv_cache_dtype {kv!r}; choose fp8, auto or a dtype"
         )
@@ -176,6 +194,7 @@ class SchedulerConfig:
     )  # fmt: skip
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _require(self.mode in MODES, f"unknown mode {self.mode!r}; choose {' or '.join(MODES)}")
         seqs, tokens, length = self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len
         _require(seqs is None or seqs >= 1, f"max_num_seqs must be at least 1, got {seqs}")
@@ -208,10 +227,11 @@ class SpeculativeConfig:
     num_speculative_tokens: int = option(3, "draft length K (1..8)", "num_draft_tokens", metavar="K")
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _require(self.method == "eagle3", f'only "method": "eagle3" is supported, got {self.method!r}')
         k = self.num_speculative_tokens
         _require(
-            isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= MAX_DRAFT_TOKENS,
+            1 <= k <= MAX_DRAFT_TOKENS,
             f"num_speculative_tokens must be an integer in 1..{MAX_DRAFT_TOKENS}, got {k!r}",
         )
 
@@ -226,7 +246,10 @@ class SpeculativeConfig:
             raise ValueError(f'speculative_config needs "model": the draft directory or hub id, got {raw!r}')
         known = {f.name for f in dataclasses.fields(cls)}
         _require(set(raw) <= known, f"speculative_config: unknown keys {sorted(set(raw) - known)}")
-        return cls(**raw)
+        try:
+            return cls(**raw)
+        except TypeError as e:  # a wrong type in the user's JSON: a configuration error like the others
+            raise ValueError(f"speculative_config: {e}") from e
 
 
 @dataclass(frozen=True)
@@ -240,6 +263,9 @@ class CompileConfig:
         None, "capture every decode step shape as a CUDA graph (default: on CUDA)"
     )
     pdl: bool = option(False, "programmatic dependent launch of the Triton kernels (Hopper or newer GPUs)")
+
+    def __post_init__(self) -> None:
+        _check_types(self)
 
 
 GROUPS = {
@@ -287,6 +313,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _require(bool(self.load.model), "no model given: a checkpoint directory, a .gguf file or a hub id")
+        on_cpu, compilation = self.load.device == "cpu", self.compilation
+        _require(not (on_cpu and compilation.cuda_graphs), "cuda_graphs needs a CUDA device (device cuda)")
+        _require(not (on_cpu and compilation.pdl), "pdl needs a CUDA device (Hopper or newer)")
 
     @classmethod
     def create(cls, model: str | Any = "", **given: Any) -> EngineConfig:

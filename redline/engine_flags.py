@@ -51,6 +51,7 @@ def add_engine_args(
     """The flags of `groups`' options; `defaults` overrides some (by flat name, with the reason in the
     help), `skip` leaves some out (a command that sets them itself)."""
     defaults, skip = defaults or {}, set(skip)
+    added = []
     for group in groups:
         section = parser.add_argument_group(f"engine: {group}")
         for o in options().values():
@@ -60,6 +61,7 @@ def add_engine_args(
             help = o.field.metadata["help"] + (
                 "" if default in (None, False, "") else f" (default {default})"
             )
+            added.append(o.flat)
             kind = typing.get_type_hints(GROUPS[o.group])[o.field.name]
             if kind in (bool, bool | None):
                 action = argparse.BooleanOptionalAction
@@ -74,12 +76,14 @@ def add_engine_args(
                 """vLLM's form of --draft: '{"method": "eagle3", "model": D, "num_speculative_tokens": 3}'"""
             )
             section.add_argument("--speculative-config", default=None, metavar="JSON", help=help)
+            added.append("speculative_config")
+    parser.set_defaults(engine_options=tuple(added))  # what config_from_args reads back
 
 
 def config_from_args(args: argparse.Namespace, **fixed: Any) -> EngineConfig:
     """The EngineConfig of parsed flags (those add_engine_args added), with `fixed` options on top."""
-    given = {o.flat: getattr(args, o.flat) for o in options().values() if hasattr(args, o.flat)}
-    spec = getattr(args, "speculative_config", None)
+    given = {name: getattr(args, name) for name in args.engine_options}
+    spec = given.pop("speculative_config", None)
     if spec is not None:
         speculative = {o.flat: o.default for o in options().values() if o.group == "speculative"}
         if any(given.get(name, default) != default for name, default in speculative.items()):

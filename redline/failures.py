@@ -29,7 +29,7 @@ def device_unusable(error: BaseException) -> bool:
     """True for errors after which the device cannot run anything more (or, with tensor parallelism,
     a rank is lost). Running out of memory is not one of them (torch.OutOfMemoryError, or a CUDA error
     saying "out of memory": freeing memory recovers)."""
-    if isinstance(error, RankLostError):
+    if isinstance(error, RankLostError | DeviceUnusableError):
         return True
     if isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error):
         return False

@@ -181,17 +181,3 @@ def sample_from(probs: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
     """
     noise = -torch.log(uniform(seed, position, stream, probs.shape[-1]))
     return (probs / noise).argmax(dim=-1)
-
-
-def select_tokens(
-    logits: torch.Tensor, t: SamplingTensors, position: torch.Tensor, any_sampling: bool
-) -> torch.Tensor:
-    """logits [B, T, V] fp32, position [B, T] (the position each token will occupy) -> tokens [B, T].
-
-    `any_sampling` is known on the host from the requests; when False the step is a plain argmax.
-    """
-    greedy = logits.argmax(dim=-1)
-    if not any_sampling:
-        return greedy
-    sampled = sample_from(filtered_probs(logits, t), t.seed, position, stream=0)
-    return torch.where(t.temperature[:, None] > 0, sampled, greedy)

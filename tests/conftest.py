@@ -11,7 +11,7 @@ import torch
 
 if not torch.cuda.is_available():  # Triton kernels run in the interpreter on CPU (set before triton loads)
     os.environ.setdefault("TRITON_INTERPRET", "1")
-# engines compile on CPU by default (kernels/select.compile_by_default); here only tests that ask do
+# engines compile on CPU by default (runner/build.compiles); here only the tests that ask do
 os.environ.setdefault("REDLINE_COMPILE", "0")
 
 from redline.train.bpe import train_bpe_tokenizer

@@ -36,6 +36,8 @@ def continuation(prompt: list[int], n: int, vocab: int) -> list[int]:
 
 
 class FakeExecutor:
+    recovers = True
+
     def __init__(self, shapes: Shapes, num_blocks: int, vocab: int):
         self.shapes, self.num_blocks, self.vocab = shapes, num_blocks, vocab
         per_slot = shapes.cache_len // BLOCK + 1
@@ -105,7 +107,8 @@ class FakeExecutor:
             return ChunkResult(None)
         assert chunk.slot not in [s for s, a in enumerate(self.active) if a], "a decoding slot prefills"
         first = next_token(self._read(chunk.slot, chunk.end), self.vocab)
-        self.pending[chunk.slot], self.pos[chunk.slot], self.active[chunk.slot] = first, chunk.end, True
+        self.pending[chunk.slot], self.pos[chunk.slot] = first, chunk.end
+        self.active[chunk.slot] = chunk.decodes
         return ChunkResult(first)
 
     def _decode(self, rows: int, kv_len: int) -> DecodeResult:

@@ -86,7 +86,7 @@ def test_a_run_through_every_bucket_compiles_nothing(llama3_pair):
 def test_compiled_llama4_runs_past_4096_tokens_without_compiling(tmp_path, tokenizer_dir):
     """Llama 4 target (MoE, chunked attention) + draft, K = 3, one slot, a context of 4,200: a 4,080-token
     prompt, then steps whose kv bucket goes from 4,096 to the whole cache, where inductor's CPU code
-    would split its reductions if kv_len could be specialized (engine/compiled_step.py)."""
+    would split its reductions if kv_len could be specialized (runner/compiled_step.py)."""
     config = llama4_hf_config(max_position_embeddings=4200)
     target_dir = save_hf_model(build_hf_model(config), tmp_path / "t", tokenizer_dir)
     draft_dir = write_random_draft(target_dir, tmp_path / "d", draft_vocab=200)

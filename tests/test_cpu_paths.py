@@ -10,6 +10,7 @@ import torch._dynamo.utils
 import torch.nn.functional as F
 
 from redline.kernels.attention_core import attention_by_reductions, sdpa_attention
+from redline.layers import backends
 from redline.layers.backends import TORCH, Backends
 from redline.layers.linear import FEW_ROWS, Linear, streamed_rows, weight_times_xt
 from redline.runner.compiled_step import CompiledStep
@@ -52,16 +53,19 @@ def test_attention_by_reductions_compiled_equals_sdpa(dtype, b, t, hq, hkv, s, c
 
 def test_cpu_backends_by_dtype_compile_and_the_cpus_vector_width(monkeypatch):
     """Compiled: streamed rows for every float dtype, attention as reductions, one compile region per kind
-    of layer. Eager: F.linear, except fp32 on CPUs without AVX-512 (W @ x^T); SDPA."""
+    of layer. Eager: F.linear, except fp32 on AMD CPUs and on CPUs without AVX-512 (W @ x^T); SDPA."""
     for dtype in (torch.float32, torch.bfloat16):
         compiled = Backends.choose("cpu", dtype, compiled=True)
         assert compiled.few_rows is streamed_rows and compiled.attention_core is attention_by_reductions
         assert compiled.layer_regions and compiled.decode_attention is None
+    monkeypatch.setattr(backends, "cpu_vendor", lambda: "GenuineIntel")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     assert Backends.choose("cpu", torch.float32, compiled=False).few_rows is weight_times_xt
     assert Backends.choose("cpu", torch.bfloat16, compiled=False) == TORCH
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     assert Backends.choose("cpu", torch.float32, compiled=False) == TORCH
+    monkeypatch.setattr(backends, "cpu_vendor", lambda: "AuthenticAMD")
+    assert Backends.choose("cpu", torch.float32, compiled=False).few_rows is weight_times_xt
     with pytest.raises(ValueError, match="programmatic dependent launch needs Triton"):
         Backends.choose("cpu", torch.float32, compiled=False, pdl=True)
 

@@ -99,3 +99,31 @@ def test_eval_on_a_held_out_set(trained, tmp_path, name):
         assert base["accuracy"]["humaneval pass@1"] in (0.0, 0.5, 1.0)
     else:  # chat prompts: agreement only, no checkable answers
         assert base["accuracy"] == {}
+
+
+def test_eval_hands_its_engine_flags_to_every_configuration(monkeypatch, capsys):
+    """--tp and --enable-expert-parallel reach evaluate(); the base row is named as --compare names it."""
+    from redline.evaluate import run as evaluation
+
+    seen = {}
+
+    def record(configs, tasks, texts, windows, **engine):
+        seen.update(engine, names=[c.name for c in configs], dtypes=[c.dtype for c in configs])
+        return []
+
+    monkeypatch.setattr(evaluation, "evaluate", record)
+    argv = [
+        "eval",
+        "--model",
+        "m",
+        "--data",
+        "humaneval",
+        "--limit",
+        "1",
+        "--tp",
+        "2",
+        "--enable-expert-parallel",
+    ]
+    assert main([*argv, "--compare", "fp8"]) == 0
+    assert seen["tensor_parallel_size"] == 2 and seen["expert_parallel"] is True
+    assert seen["names"] == ["bf16", "fp8"] and seen["dtypes"] == ["bfloat16", "fp8"]

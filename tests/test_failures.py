@@ -352,7 +352,7 @@ def test_redline_serve_exits_1_when_the_http_server_cannot_start(model_dir, sigt
 def test_unexpected_errors_are_500_json_and_generation_errors_are_logged(served, monkeypatch, caplog):
     server, url = served
 
-    def broken(prompt, params):
+    def broken(prompt, params, group=None):
         raise KeyError("injected")
 
     monkeypatch.setattr(server.llm, "make_request", broken)

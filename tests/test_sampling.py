@@ -12,9 +12,9 @@ from redline.sampling import (
     SamplingTensors,
     filtered_probs,
     sample_from,
-    select_tokens,
     uniform,
 )
+from redline.speculative.verify import rejection_verify
 
 
 def tensors(temperature, top_k=0, top_p=1.0, seed=0, rows=1, min_p=0.0) -> SamplingTensors:
@@ -90,10 +90,12 @@ def test_greedy_rows_ignore_noise_and_sampling_rows_follow_seed():
     t.temperature[0] = 0.0
     t.seed[:] = torch.tensor([1, 2, 2, 3])
     pos = torch.full((4, 1), 7)
-    tokens = select_tokens(logits, t, pos, any_sampling=True)
+    no_drafts, no_q = torch.zeros(4, 0, dtype=torch.int64), torch.zeros(4, 0, 30)
+    emit = lambda: rejection_verify(filtered_probs(logits, t), no_q, no_drafts, t.seed, pos)[0]
+    tokens = emit()  # a first token: the emitting path of every prefill and step (speculative/emit.py)
     assert tokens[0, 0] == logits[0, 0].argmax()
     logits[2] = logits[1]
-    again = select_tokens(logits, t, pos, any_sampling=True)
+    again = emit()
     assert again[1, 0] == again[2, 0]
 
 

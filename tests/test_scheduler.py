@@ -154,3 +154,12 @@ for machine in (SchedulerMachine, SpeculativeSchedulerMachine):
     machine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 test_no_sequence_of_requests_loses_a_block_or_a_token = SchedulerMachine.TestCase
 test_with_speculation_no_sequence_of_requests_loses_a_block_or_a_token = SpeculativeSchedulerMachine.TestCase
+
+
+def test_a_request_for_one_token_takes_no_decode_step():
+    """Its first token comes from the prefill and ends it: the plan runs no decode step for it."""
+    core, fake = engine(slots=2, max_len=100, k=2, blocks=16)
+    one = request([5] * 10, 1)
+    run(core, [one])
+    assert one.output_ids == continuation(one.prompt_ids, 1, TOKENIZER[0].vocab_size)
+    assert all(p.decode is None for p in fake.plans) and not any(fake.active)

@@ -178,12 +178,12 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(url, server):
         assert back == {"prompt": tokenizer.decode(out["tokens"])} and "def main():" in back["prompt"]
         for path, body, field in [
             ("/tokenize", {"prompt": 5}, "prompt"),
-            ("/detokenize", {"tokens": [1, "a"]}, "tokens"),
+            ("/detokenize", {"tokens": [1, "a"]}, "tokens[1]"),
             ("/detokenize", {"tokens": [10**9]}, "tokens"),
             ("/tokenize", {"model": "other", "prompt": "x"}, "model"),
         ]:
             response = http.post(path, json=body)
-            assert response.status_code in (400, 404) and response.json()["error"]["param"].startswith(field)
+            assert response.status_code in (400, 404) and response.json()["error"]["param"] == field
 
 
 LONG = "word " * 600

@@ -69,6 +69,23 @@ def test_python_options_take_vllms_names_and_redlines_and_refuse_others():
     ]:
         with pytest.raises(ValueError, match=message):
             EngineConfig.create("m", **bad)
+    for bad, message in [  # what Python can pass and a flag cannot
+        (dict(max_num_seqs=1.5), "max_num_seqs must be int or None, got 1.5"),
+        (dict(max_num_seqs="8"), "max_num_seqs must be int or None, got '8'"),
+        (dict(enable_prefix_caching="no"), "enable_prefix_caching must be bool, got 'no'"),
+        (dict(num_speculative_tokens=True), "num_speculative_tokens must be int, got True"),
+    ]:
+        with pytest.raises(TypeError, match=message):
+            EngineConfig.create("m", **bad)
+    for bad, message in [  # options that need another
+        (dict(device="cuda:x"), "unknown device 'cuda:x'"),
+        (dict(cuda_graphs=True), "cuda_graphs needs a CUDA device"),
+        (dict(pdl=True), "pdl needs a CUDA device"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            EngineConfig.create("m", **bad)
+    python = EngineConfig.create("m", dtype=torch.float16, kv_cache_memory="2GiB", gpu_memory_utilization=1)
+    assert (python.load.dtype, python.cache.kv_cache_memory_bytes) == ("float16", 2**31)
     throughput = EngineConfig.create("m", mode="max-throughput").scheduler
     assert (throughput.slots, throughput.prefill_tokens) == (256, 2048)
     latency = EngineConfig.create("m", max_num_seqs=16).scheduler
@@ -111,7 +128,7 @@ def test_a_speculative_config_redline_cannot_honour_is_refused():
         ("{nope", "is not JSON"),
         ('{"method": "ngram", "model": "d"}', 'only "method": "eagle3"'),
         ('{"method": "eagle3"}', 'needs "model"'),
-        ('{"model": "d", "num_speculative_tokens": "3"}', "must be an integer"),
+        ('{"model": "d", "num_speculative_tokens": "3"}', "num_speculative_tokens must be int, got '3'"),
         ('{"model": "d", "topk": 4}', "unknown keys"),
     ]:
         with pytest.raises(ValueError, match=message):

@@ -36,7 +36,7 @@ from redline.benchmark.prompts import engine_prompts
 from redline.engine.llm import LLM
 from redline.engine.request import Completion
 from redline.engine_config import parse_dtype
-from redline.runner.plan import PrefillBatch, PrefillChunk, SlotSampling, SlotSetup, StepPlan, TableUpdate
+from redline.runner.one_slot import fill_slot, release_slot
 from redline.sampling import SamplingParams
 from redline.tokenizer import Tokenizer
 from redline.train.draft import held_out_prompts, run_acceptance_length
@@ -138,13 +138,7 @@ def draft_share(llm: LLM, prompt: list[int], steps: int = 10) -> float:
     """1 - (target forward over K + 1 tokens) / (whole eager step), both at the same KV bucket, on the
     runner of an idle engine: the prompt prefilled into slot 0 over the pool's first blocks."""
     runner, shapes = llm.runner, llm.runner.shapes
-    blocks = tuple(range(shapes.blocks_for(len(prompt) + shapes.lookahead)))
-    if len(blocks) > runner.num_blocks:
-        raise ValueError(f"the KV pool cannot hold a {len(prompt)}-token prompt")
-    runner.execute(StepPlan(
-        tables=(TableUpdate(0, 0, blocks),), admitted=(SlotSetup(0, SlotSampling.of(SamplingParams(), 0)),),
-        prefill=PrefillBatch((PrefillChunk(0, tuple(prompt), 0, final=True),), logits=False),
-    ))  # fmt: skip
+    fill_slot(runner, prompt, positions=len(prompt) + shapes.lookahead)
     kv_len = shapes.kv_len_for(len(prompt) + 1)
     positions = runner.state.pos[:1, None] + torch.arange(shapes.k + 1)
 
@@ -169,7 +163,7 @@ def draft_share(llm: LLM, prompt: list[int], steps: int = 10) -> float:
         runner.step(1, kv_len, False)
 
     share = 1.0 - timed(target_only) / timed(whole_step)
-    runner.execute(StepPlan(released=(0,)))
+    release_slot(runner)
     return share
 
 

@@ -1,29 +1,37 @@
 """The engine's one loop: schedule a plan, execute it, update the requests. `LLM.generate` / `stream` and
-the server's engine loop both drive it through this interface (add, cancel, step, stats), from one thread
-at a time: the thread that drives it first owns it until `release()` (a server's loop claims it at
-start, so a call from another thread is an error, not a race of two admits into one slot).
+the server's engine loop both drive it through this interface (add, cancel, step, stats), one thread at a
+time: a thread drives it for the length of a `driving()` block (a whole `generate`, a stream's iteration,
+one call), and a server's loop holds it from `claim()` to `release()`. A call from another thread in the
+meantime is an error, not a race of two admits into one slot; threads may take turns.
 
 A failure ends only the requests it touched: a prefill that raises runs each of its chunks again alone,
 so that only the one that fails fails (an out-of-memory prompt, say); a decode step that raises fails the
 requests in the step. Their slots are freed and the others go on. An error that leaves the device
-unusable (failures.device_unusable) fails every request, and the engine refuses new ones from then on.
+unusable (failures.device_unusable) fails every request, and the engine refuses new ones from then on;
+so does any failed stage when the executor cannot recover one (tensor parallelism: the ranks may have
+left the plan at different points, so their next collectives would not match).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
 from redline.engine.blocks import PrefixStats
 from redline.engine.request import Request
 from redline.engine.scheduler import Events, Scheduler
-from redline.failures import RankLostError, device_unusable
+from redline.failures import DeviceUnusableError, RankLostError, device_unusable
 from redline.runner.plan import ChunkResult, PrefillBatch, StageError, StepPlan, StepResult
 
 
 class Executor(Protocol):
     """Runs plans on every rank (runner/model_runner.py on one process, runner/ranks.py on several)."""
+
+    recovers: bool  # whether the device state is whole after a failed stage, so that other plans can run
 
     def execute(self, plan: StepPlan) -> StepResult: ...
 
@@ -45,25 +53,40 @@ class EngineStats:
 class EngineCore:
     def __init__(self, scheduler: Scheduler, executor: Executor):
         self.scheduler, self.executor = scheduler, executor
-        self._owner: threading.Thread | None = None
+        self._guard = threading.Lock()
+        self._owner: threading.Thread | None = None  # the thread inside driving(), if one is
+        self._depth = 0
+        self._claimed: contextlib.AbstractContextManager | None = None
 
-    def _drive(self) -> None:
+    @contextlib.contextmanager
+    def driving(self) -> Iterator[None]:
+        """The calling thread drives the engine inside this block (re-entrant); another thread's call
+        meanwhile raises RuntimeError."""
         current = threading.current_thread()
-        if self._owner is None:
-            self._owner = current
-        elif self._owner is not current:
-            raise RuntimeError(
-                f"this engine is driven by thread {self._owner.name!r} (a server's engine loop, say): "
-                "send requests through it"
-            )
+        with self._guard:
+            if self._owner not in (None, current):
+                assert self._owner is not None
+                raise RuntimeError(f"this engine is being driven by thread {self._owner.name!r} (a server's "
+                                   "engine loop, or another generate): send requests through it, "
+                                   "or wait")  # fmt: skip
+            self._owner, self._depth = current, self._depth + 1
+        try:
+            yield
+        finally:
+            with self._guard:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._owner = None
 
     def claim(self) -> None:
-        """Only this thread drives the engine from now on (a server's engine loop, as it starts)."""
-        self._owner = threading.current_thread()
+        """Only this thread drives the engine until release() (a server's engine loop, as it starts)."""
+        self._claimed = self.driving()
+        self._claimed.__enter__()
 
     def release(self) -> None:
-        """Lets another thread drive the engine from now on."""
-        self._owner = None
+        if self._claimed is not None:
+            self._claimed, claimed = None, self._claimed
+            claimed.__exit__(None, None, None)
 
     @property
     def unusable(self) -> str | None:
@@ -74,22 +97,22 @@ class EngineCore:
         return self.scheduler.has_work
 
     def add(self, request: Request) -> None:
-        self._drive()
-        self.scheduler.add(request)
+        with self.driving():
+            self.scheduler.add(request)
 
     def cancel(self, request: Request) -> None:
-        self._drive()
-        self.scheduler.cancel(request)
+        with self.driving():
+            self.scheduler.cancel(request)
 
     def fail(self, request: Request, message: str) -> None:
-        self._drive()
-        self.scheduler.fail(request, message)
+        with self.driving():
+            self.scheduler.fail(request, message)
 
     def stats(self) -> EngineStats:
         s = self.scheduler
         pool = s.pool
-        return EngineStats(len(s.running), len(s.waiting), pool.num_blocks, pool.available, pool.stats,
-                           s.prefilled_tokens)  # fmt: skip
+        return EngineStats(len(s.running), len(s.waiting), pool.num_blocks, pool.available,
+                           dataclasses.replace(pool.stats), s.prefilled_tokens)  # fmt: skip
 
     def check_ranks(self) -> None:
         """Raises RankLostError when a tensor-parallel rank has died (the engine can run nothing more)."""
@@ -100,29 +123,40 @@ class EngineCore:
         """One step: schedule, execute, update. Returns (request, new text) once for every request that
         received tokens or finished, failed ones too (a request prefilled and decoded in one step: both
         pieces in one)."""
-        self._drive()
-        plan = self.scheduler.schedule()
-        if plan.empty:
-            return _merged(self.scheduler.update(StepResult()))
-        try:
-            result = self.executor.execute(plan)
-        except StageError as error:
-            return _merged(self._recover(plan, error))
-        except Exception as error:  # before any stage ran: a lost rank, say
-            self.scheduler.failed("step", error, list(self.scheduler.running.values()))
-            return _merged(self.scheduler.update(StepResult()))
-        return _merged(self.scheduler.update(result))
+        with self.driving():
+            plan = self.scheduler.schedule()
+            if plan.empty:
+                return _merged(self.scheduler.update(StepResult()))
+            try:
+                result = self.executor.execute(plan)
+            except StageError as error:
+                return _merged(self._recover(plan, error))
+            except Exception as error:  # before any stage ran: a lost rank, say
+                self._fail_running("step", error, plan)
+                return _merged(self.scheduler.update(StepResult()))
+            return _merged(self.scheduler.update(result))
+
+    def _fail_running(self, stage: str, error: BaseException, plan: StepPlan) -> None:
+        """Fails every running request; the plan's released slots go out again with the next plan (the
+        device may not have heard of them)."""
+        self.scheduler.resend_released(plan.released)
+        self.scheduler.fail_stage(stage, error, list(self.scheduler.running.values()))
 
     def _recover(self, plan: StepPlan, error: StageError) -> Events:
         cause = error.__cause__ or error
         scheduler = self.scheduler
-        if error.stage == "setup":
-            scheduler.failed("step setup", cause, list(scheduler.running.values()))
+        if not self.executor.recovers or error.stage == "read":
+            cause = DeviceUnusableError(f"{error.stage} failed and left the device state unknown: "
+                                        f"{type(cause).__name__}: {cause}")  # fmt: skip
+        if error.stage in ("setup", "read") or not self.executor.recovers:
+            # a set-up that raised may have written some table rows and not others: every request in a
+            # slot may read wrong blocks, so all of them fail
+            self._fail_running(f"step {error.stage}", cause, plan)
             return scheduler.update(StepResult())
         if error.stage == "decode step":  # the prefill's results stand; the step's requests fail
             decoding = scheduler.planned_requests("decode step")
             events = scheduler.update(StepResult(error.prefill or []))
-            scheduler.failed("decode step", cause, decoding)
+            scheduler.fail_stage("decode step", cause, decoding)
             return events + scheduler.take_events()
         assert plan.prefill is not None
         prefill = self._chunks_alone(plan.prefill, cause)
@@ -132,9 +166,8 @@ class EngineCore:
         try:
             decode = self.executor.execute(decode_only).decode
         except StageError as failed:
-            scheduler.failed(
-                "decode step", failed.__cause__ or failed, scheduler.planned_requests("decode step")
-            )
+            decoding = scheduler.planned_requests("decode step")
+            scheduler.fail_stage("decode step", failed.__cause__ or failed, decoding)
             decode = None
         return scheduler.update(StepResult(prefill, decode))
 
@@ -145,7 +178,7 @@ class EngineCore:
         requests = scheduler.planned_requests("prefill")
         results: list[ChunkResult | None] = [None] * len(batch.chunks)
         if len(batch.chunks) == 1 or device_unusable(cause):
-            scheduler.failed("prefill", cause, requests)
+            scheduler.fail_stage("prefill", cause, requests)
             return results
         for i, chunk in enumerate(batch.chunks):
             if scheduler.unusable is not None:
@@ -154,7 +187,7 @@ class EngineCore:
                 alone = StepPlan(prefill=PrefillBatch((chunk,), batch.logits))
                 results[i] = self.executor.execute(alone).prefill[0]
             except StageError as failed:
-                scheduler.failed("prefill", failed.__cause__ or failed, [requests[i]])
+                scheduler.fail_stage("prefill", failed.__cause__ or failed, [requests[i]])
         return results
 
 

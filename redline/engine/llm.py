@@ -55,14 +55,15 @@ class Stream:
 
     def __iter__(self) -> Iterator[str]:
         request = self._request
-        try:
-            while not request.finished:
-                for r, piece in self._engine.step():
-                    if r is request and piece:
-                        yield piece
-        finally:
-            if not request.finished:
-                self._engine.cancel(request)
+        with self._engine.driving():  # no other thread steps the engine while this stream iterates
+            try:
+                while not request.finished:
+                    for r, piece in self._engine.step():
+                        if r is request and piece:
+                            yield piece
+            finally:
+                if not request.finished:
+                    self._engine.cancel(request)
         if request.finish_reason == "error":
             raise GenerationError([request.completion()])
 
@@ -82,7 +83,7 @@ class LLM:
     ):
         """model: a checkpoint directory, a llama .gguf file, or a Hugging Face Hub id such as
         "HuggingFaceTB/SmolLM2-135M-Instruct" (fetched into the Hub's cache at `revision`); options:
-        EngineConfig's (README "Use" lists them), or config= a whole EngineConfig. With compile (the
+        EngineConfig's (README "Engine options"), or config= a whole EngineConfig. With compile (the
         default on CPU) or on CUDA (where every step shape is captured as a CUDA graph), construction
         compiles and captures every shape the engine can meet, with a progress bar unless progress=False;
         `warmup_s` says how long it took. With tensor_parallel_size N > 1 this process is rank 0 of N
@@ -155,10 +156,11 @@ class LLM:
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts")
         requests = [self.make_request(p, sp) for p, sp in zip(prompts, per_prompt, strict=True)]
-        for request in requests:
-            self.engine.add(request)
-        while self.engine.has_work:
-            self.engine.step()
+        with self.engine.driving():  # one thread at a time: another's generate waits for none, it raises
+            for request in requests:
+                self.engine.add(request)
+            while self.engine.has_work:
+                self.engine.step()
         completions = [r.completion() for r in requests]
         if any(c.finish_reason == "error" for c in completions):
             raise GenerationError(completions)
@@ -184,8 +186,9 @@ class LLM:
             return [prompts]  # one prompt
         return list(prompts)
 
-    def make_request(self, prompt: Prompt, params: SamplingParams) -> Request:
-        """A validated engine request (not yet scheduled): clear ValueErrors for bad prompts or lengths."""
+    def make_request(self, prompt: Prompt, params: SamplingParams, group: object = None) -> Request:
+        """A validated engine request (not yet scheduled): clear ValueErrors for bad prompts or lengths.
+        group: any object the n samples of one prompt share (they share its prefill, engine/scheduler.py)."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
@@ -197,6 +200,5 @@ class LLM:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context window "
                 f"of {self.max_seq_len} tokens"
             )
-        return Request(
-            ids, params, self.tokenizer, self.tokenizer.eos_token_ids, num_draft_tokens=self.num_draft_tokens
-        )
+        return Request(ids, params, self.tokenizer, self.tokenizer.eos_token_ids,
+                       num_draft_tokens=self.num_draft_tokens, group=group)  # fmt: skip

@@ -122,7 +122,7 @@ class Scheduler:
                 continue  # preempted meanwhile
             while not self._grow(slot, request.position + self.shapes.lookahead):
                 if len(self.running) == 1:  # alone and still short
-                    self._fail(request, self._too_large(request.position + 1))
+                    self._end_too_large(request, self._too_large(request.position + 1))
                     break
                 newest = next(reversed(self.running.values()))
                 self._preempt(newest)
@@ -155,7 +155,7 @@ class Scheduler:
                 if self.running:
                     break  # blocks come back as running requests end
                 self.waiting.remove(request)
-                self._fail(request, self._too_large(len(tokens)))
+                self._end_too_large(request, self._too_large(len(tokens)))
                 continue
             self.waiting.remove(request)
             request.slot = slot = free.pop(0)
@@ -228,13 +228,13 @@ class Scheduler:
         prompt_top = None if request.prompt_logprobs_done else params.prompt_logprobs
         return PrefillChunk(
             request.slot, tuple(sequence[start:end]), start, final, 0 if final else sequence[end],
-            params.logprobs if final else None, prompt_top, len(request.prompt_ids),
+            _decodes_after(request), params.logprobs if final else None, prompt_top, len(request.prompt_ids),
         )  # fmt: skip
 
     def _plan_decode(self) -> DecodeBatch | None:
-        """Every request past its prefill, and those whose final chunk this plan runs (unless they asked
-        for none: max_tokens 0), in admission order."""
-        first_at = {c.slot: c.end for r, c in self.planned.chunks if c.final and r.params.max_tokens > 0}
+        """Every request past its prefill, and those whose final chunk this plan runs (unless their first
+        token, from the prefill, is all they asked for: max_tokens 0 or 1), in admission order."""
+        first_at = {c.slot: c.end for _, c in self.planned.chunks if c.final and c.decodes}
         decoding, last = self.planned.decoding, 0  # last: the furthest pending token's position
         for slot, request in self.running.items():
             if request.prefill_ids is None or slot in first_at:
@@ -266,7 +266,7 @@ class Scheduler:
                     emitted = result.decode.tokens[slot][: n_acc + 1]
                     events.append((request, request.accept(emitted, result.decode.logprobs.get(slot))))
                 except Exception as error:
-                    self.failed("decode output", error, [request])
+                    self.fail_stage("decode output", error, [request])
                     continue
                 if request.finished:
                     self._free(slot)
@@ -291,7 +291,7 @@ class Scheduler:
                 logprobs = None if done.logprob is None else [done.logprob]
                 events.append((request, request.accept([done.first], logprobs)))
         except Exception as error:
-            self.failed("prefill", error, [request])
+            self.fail_stage("prefill", error, [request])
             return
         if request.finished:
             self._free(chunk.slot)
@@ -299,6 +299,11 @@ class Scheduler:
     def take_events(self) -> Events:
         events, self._events = self._events, []
         return events
+
+    def resend_released(self, slots: tuple[int, ...]) -> None:
+        """Slots a plan released that the device may not have heard of (the plan failed): again with the
+        next plan."""
+        self._released[:0] = slots
 
     def take_released(self) -> tuple[int, ...]:
         """Slots freed since the last plan, for a plan of their own (recovery after a failed stage)."""
@@ -330,7 +335,7 @@ class Scheduler:
             f"({self.pool.num_blocks} blocks of {self.pool.block_size} positions); raise kv_cache_memory"
         )
 
-    def _fail(self, request: Request, message: str) -> None:
+    def _end_too_large(self, request: Request, message: str) -> None:
         self.fail(request, message)
         self._events.append((request, ""))
 
@@ -345,7 +350,7 @@ class Scheduler:
         self._remove(request)
         request.fail(message)
 
-    def failed(self, stage: str, error: BaseException, requests: Iterable[Request]) -> None:
+    def fail_stage(self, stage: str, error: BaseException, requests: Iterable[Request]) -> None:
         """Fails `requests` for `error` ("prefill failed: OutOfMemoryError: ..."), every request when the
         error left the device unusable (failures.device_unusable: new ones are refused from then on);
         their events come with the next update."""
@@ -371,3 +376,9 @@ class Scheduler:
         self.tables[slot].release()
         self._tables = [u for u in self._tables if u.slot != slot]  # not written for a slot gone already
         self._released.append(slot)
+
+
+def _decodes_after(request: Request) -> bool:
+    """Whether a request decodes after its prefill's first token: not when that token is all it asked
+    for (max_tokens 1, or 0: prompt logprobs only)."""
+    return request.params.max_tokens - len(request.output_ids) > 1

@@ -35,7 +35,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("redline eval needs --model")
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be at least 1, got {args.limit}")
-    configs = [EvalConfig(args.dtype, Path(args.model), args.dtype)]
+    short = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}  # the base's label, as --compare says
+    label = short.get(args.dtype, args.dtype)
+    configs = [EvalConfig(label, Path(args.model), args.dtype)]
     configs += [parse_config(spec, configs[0]) for spec in args.compare]
     source = resolve(args.data)
     if isinstance(source, str):  # a built-in set: its own held-out text for perplexity
@@ -44,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
         tasks, texts = load_tasks(source), data.split_stdlib()[1]
     texts = data.load_texts(args.text) if args.text else texts
     rows = evaluate(configs, tasks[: args.limit], texts, args.windows, device=args.device,
-                    tensor_parallel_size=args.tensor_parallel_size)  # fmt: skip
+                    tensor_parallel_size=args.tensor_parallel_size,
+                    expert_parallel=args.enable_expert_parallel)  # fmt: skip
     print(eval_table(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")

@@ -82,11 +82,13 @@ def evaluate(
     window_len: int = 256,
     device: str = "cpu",
     tensor_parallel_size: int = 1,
+    expert_parallel: bool = False,
 ) -> list[dict]:
     rows, base_lp, base_tokens = [], None, None
     for config in configs:
         llm = LLM(config.model_dir, dtype=config.dtype, device=device, max_num_seqs=8, draft=config.draft,
-                  tensor_parallel_size=tensor_parallel_size)  # fmt: skip
+                  tensor_parallel_size=tensor_parallel_size,
+                  enable_expert_parallel=expert_parallel)  # fmt: skip
         samples = text_windows(llm.tokenizer, texts, window_len, windows)
         lp = log_probs(llm, samples)
         nll = [

@@ -15,7 +15,7 @@ The rules (BENCHMARKS.md "Few-row linears", "Compiled bf16 decode"):
 | dense MLP (not FP8)       | one gate/up GEMM + SwiGLU kernel      | torch                                  |
 | top-1 MoE, few tokens     | a kernel reading the chosen experts   | torch                                  |
 | linears of <= 8 rows      | F.linear                              | compiled: streamed rows; eager fp32    |
-|                           |                                       | without AVX-512: W @ x^T               |
+|                           |                                       | on AMD or without AVX-512: W @ x^T     |
 | decoder layers            | one graph                             | compiled: one compile region each kind |
 
 `describe()` names what was chosen (`redline info` prints it) and each layer's repr shows its own.
@@ -90,7 +90,7 @@ class Backends:
         if compiled and dtype in (torch.float32, torch.bfloat16, torch.float16):
             importlib.import_module("torch._inductor.inductor_prims")  # registers what linear.stored uses
             few_rows = streamed_rows
-        elif dtype == torch.float32 and torch.backends.cpu.get_cpu_capability() != "AVX512":
+        elif dtype == torch.float32 and (cpu_vendor() == "AuthenticAMD" or not avx512()):
             few_rows = weight_times_xt
         core = attention_by_reductions if compiled else sdpa_attention
         return cls(attention_core=core, few_rows=few_rows, layer_regions=compiled)
@@ -125,6 +125,20 @@ class Backends:
             "linears <= 8 rows": backend_name(self.few_rows),
             "layer compile regions": str(self.layer_regions),
         }
+
+
+def avx512() -> bool:
+    return torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """ "AuthenticAMD", "GenuineIntel", ... ("" where /proc/cpuinfo does not say)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":")[1].strip() for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
 
 
 def prefill_tiles(dtype: torch.dtype) -> dict[str, int]:

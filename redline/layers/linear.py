@@ -5,9 +5,10 @@ weight on every call, so x[M, K] @ W[N, K]^T costs about M times the M = 1 produ
 AVX-512 the bf16 product is a loop over rows that reads W once per row. Two products stream W once:
 
 - `weight_times_xt`, fp32 weights in eager code: W @ x^T ([N, K] @ [K, M] -> [N, M], transposed back
-  as a view) costs about what M = 1 does on the AVX2 EPYC instances, while on AVX-512 CPUs F.linear is
-  the faster (73 against 149 us for [1536, 576] at M = 4 on a Xeon): layers/backends.py picks it by the
-  CPU's capability;
+  as a view) costs about what M = 1 does on AMD EPYC instances, AVX2 and AVX-512 alike (116 against 201
+  us for [1536, 576] at M = 4, 3.3 against 16.1 ms for SmolLM2's [49152, 576] head), while on an
+  AVX-512 Xeon F.linear is the faster (73 against 149 us): layers/backends.py picks it by the CPU's
+  vendor and vector width (BENCHMARKS.md "Few-row linears");
 - `streamed_rows`, weights of any float dtype inside torch.compile: inductor fuses the upcast, the M
   products and the M row sums into one C++ loop over W's rows, which loads each 16-weight vector
   once, converts it to fp32 and accumulates it against every x row (stored once in fp32). The loop

@@ -40,7 +40,7 @@ def shapes_of(config: EngineConfig, model: ModelConfig) -> Shapes:
 def backends_of(config: EngineConfig, device: torch.device) -> Backends:
     load = config.load
     compiled = compiles(config, device)
-    fp8 = fp8_weights(load.model, load.quantization)
+    fp8 = fp8_weights(load.model, "fp8" if load.dtype == "fp8" else load.quantization)
     return Backends.choose(device, load.torch_dtype, compiled, config.compilation.pdl, fp8)
 
 

@@ -47,7 +47,10 @@ def prefill_shapes(cache_len: int, branches: Iterable[int] = ()) -> list[tuple[i
 
 def _through_marker(model: LlamaForCausalLM, cache: KVCache) -> Callable[..., Forwarded]:
     def forward(
-        tokens: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, kv_marker: torch.Tensor
+        tokens: torch.Tensor,  # [B, L]
+        positions: torch.Tensor,  # [B, L]
+        tables: torch.Tensor,  # [B, blocks per sequence] int32
+        kv_marker: torch.Tensor,  # [kv_len]: its length is the keys attended (a dynamic dimension)
     ) -> Forwarded:
         return model(tokens, positions, cache.layers, tables, kv_marker.shape[0])
 
@@ -77,7 +80,7 @@ class CompiledPrefill:
         `tables` at `positions`."""
         marker = torch.empty(kv_len, dtype=torch.int8, device=tokens.device)
         # maybe_: a forward may branch on the token count (the MoE's few-token path), which narrows a
-        # dimension's range; each side then gets its own graph (warm_up_shapes visits both)
+        # dimension's range; each side then gets its own graph (prefill_shapes lists both for the warm-up)
         for tensor, dims in ((tokens, (0, 1)), (positions, (0, 1)), (tables, (0,)), (marker, (0,))):
             for dim in dims:
                 torch._dynamo.maybe_mark_dynamic(tensor, dim)

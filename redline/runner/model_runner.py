@@ -31,6 +31,8 @@ from redline.speculative.step import DecodeState, DecodeStep
 
 
 class ModelRunner:
+    recovers = True  # one process: a failed stage leaves the state of every other slot whole
+
     def __init__(
         self,
         model: LlamaForCausalLM,
@@ -134,8 +136,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        """Runs the plan; a stage that raises raises StageError naming it (its cause chained), carrying
-        what an earlier prefill stage gave when the decode step failed."""
+        """Runs the plan; a stage that raises raises StageError naming it (its cause chained): "setup",
+        "prefill", "decode step" (carrying the prefill's results), or "read" when reading the results back
+        failed after the device ran everything (the device state is then unknown)."""
         try:
             self.slots.apply(plan)
         except Exception as error:
@@ -146,27 +149,23 @@ class ModelRunner:
                 prefilled = self.prefill.run(plan.prefill)
             except Exception as error:
                 raise StageError("prefill") from error
-        host = None
-        if plan.decode is not None:
-            try:
-                host = self._launch_decode(plan.decode)
-            except Exception as error:
-                raise StageError("decode step", self._read_prefill(plan, prefilled)) from error
-        results = self._read_prefill(plan, prefilled)
-        if plan.decode is None or host is None:
-            return StepResult(results)
         try:
-            return StepResult(results, self._read_decode(plan.decode, host))
+            launched = None if plan.decode is None else self._launch_decode(plan.decode)
         except Exception as error:
-            raise StageError("decode step", results) from error
+            try:
+                done = self._read_prefill(plan, prefilled)
+            except Exception:
+                raise StageError("read") from error
+            raise StageError("decode step", done) from error
+        try:
+            results = self._read_prefill(plan, prefilled)
+            decoded = None if plan.decode is None else self._read_decode(plan.decode, launched)
+        except Exception as error:
+            raise StageError("read") from error
+        return StepResult(results, decoded)
 
     def _read_prefill(self, plan: StepPlan, prefilled: DevicePrefill | None) -> list:
-        if plan.prefill is None or prefilled is None:
-            return []
-        try:
-            return Prefill.read(plan.prefill, prefilled)
-        except Exception as error:
-            raise StageError("prefill") from error
+        return [] if plan.prefill is None or prefilled is None else Prefill.read(plan.prefill, prefilled)
 
     def _launch_decode(self, batch: DecodeBatch) -> torch.Tensor:
         """The step over slots [0, rows), its output copying to the host (not waited for)."""
@@ -177,7 +176,12 @@ class ModelRunner:
         host.copy_(out, non_blocking=True)
         return host
 
-    def _read_decode(self, batch: DecodeBatch, host: torch.Tensor) -> DecodeResult:
+    def _read_decode(
+        self,
+        batch: DecodeBatch,
+        host: torch.Tensor | None,  # [rows, K + 2 (+ packed logprobs)] on the host
+    ) -> DecodeResult:
+        assert host is not None
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
         k = self.shapes.k

@@ -80,6 +80,7 @@ class PrefillChunk:
     start: int
     final: bool  # the chunk that ends the sequence: its last row gives the first new token
     next_token: int = 0  # the token at start + len(tokens) (not final: the next chunk's first)
+    decodes: bool = True  # final: the slot decodes after its first token (not when that is all it asked)
     logprobs: int | None = None  # final: report the first token's logprob with the top N
     prompt_logprobs: int | None = None  # report the logprobs of the prompt tokens after each row (top N)
     prompt_len: int = 0  # with prompt_logprobs: positions [0, prompt_len) are the prompt

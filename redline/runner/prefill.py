@@ -126,10 +126,10 @@ class Prefill:
         e = self.emit(h_last, no_drafts, None, position, slots.sampling.take(rows), counts, seen, final,
                       batch.logits, draft_inputs)  # fmt: skip
         index = torch.tensor([i for i, c in enumerate(chunks) if c.final], device=slots.device)
-        done = rows[index]  # these slots decode from now on
+        done = rows[index]  # these slots have their first token (and decode from now on, unless it ends them)
         state.pending[done] = e.pending[index]
         state.pos[done] = torch.tensor([c.end for c in chunks if c.final], device=slots.device)
-        state.active[done] = True
+        state.active[done] = torch.tensor([c.decodes for c in chunks if c.final], device=slots.device)
         if e.draft_probs is not None and state.draft_probs is not None:
             state.draft_probs[done] = e.draft_probs[index]
         if counts is not None:  # last: a prefill that raises before here leaves the counts as they were

@@ -102,6 +102,8 @@ class RankGroup:
     """Rank 0's executor: each message goes to every worker (`send`), then runs here. `workers`: the
     processes started here (none under torchrun, which started them)."""
 
+    recovers = False  # the ranks may have left a failed plan at different points
+
     def __init__(self, runner: ModelRunner, send: Callable[[Message], None], workers: list[SpawnProcess]):
         self.runner, self._send, self.workers = runner, send, workers
         self.closed = False

@@ -104,12 +104,11 @@ class Server:
             for j in range(parsed.n):
                 seed = None if params.seed is None else params.seed + j
                 try:
-                    request = self.llm.make_request(ids, dataclasses.replace(params, seed=seed))
+                    request = self.llm.make_request(ids, dataclasses.replace(params, seed=seed), group)
                 except ValueError as e:
                     raise APIError(
                         400, str(e), "max_tokens" if "context window" in str(e) else "prompt"
                     ) from e
-                request.group = group
                 choices.append(Choice(i * parsed.n + j, request, echo))
         return choices
 

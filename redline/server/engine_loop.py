@@ -94,7 +94,7 @@ class EngineLoop:
         return self._pending
 
     def stats(self) -> EngineStats:
-        """The engine's counts (read from the HTTP thread: plain integers, a step may change them)."""
+        """The engine's counts, a snapshot (the gauges read it on the engine thread after each step)."""
         return self.llm.engine.stats()
 
     def submit(self, request: Request, consumer: Consumer) -> None:

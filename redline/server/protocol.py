@@ -251,19 +251,24 @@ class Parsed:
     echo: bool = False  # completions: the prompt's text (and logprobs) before the completion
 
 
-def _refuse_unsupported(body: Sampling, chat: bool) -> None:
-    extra = body.model_extra or {}
+def _refuse_unsupported(data: dict, chat: bool) -> None:
+    """A 400 for fields that would change the output and that redline cannot honour yet."""
     for key in (*REFUSED, *(("echo",) if chat else ())):  # OpenAI's chat API has no echo
-        if extra.get(key) not in (None, False, 0, [], {}, ""):
+        if data.get(key) not in (None, False, 0, [], {}, ""):
             raise invalid(key, "is not supported")
-    if extra.get("length_penalty") not in (None, 1):
+    if data.get("length_penalty") not in (None, 1):
         raise invalid("length_penalty", "is not supported (use 1)")
+    if data.get("response_format") not in (None, {"type": "text"}):
+        raise invalid("response_format", 'is not supported (only {"type": "text"})')
+    if data.get("tool_choice") not in (None, "none"):
+        raise invalid("tool_choice", 'is not supported (only "none")')
 
 
 def parse_request(data: Any, chat: bool, served_model: str, context: int, vocab_size: int) -> Parsed:
+    if isinstance(data, dict) and isinstance(data.get("model"), str):
+        check_model(data["model"], served_model)  # a 404 before anything else, as OpenAI answers
+        _refuse_unsupported(data, chat)
     body = parse(ChatCompletionRequest if chat else CompletionRequest, data)
-    check_model(body.model, served_model)
-    _refuse_unsupported(body, chat)
     stream = bool(body.stream)
     if body.stream_options is not None and not stream:
         raise invalid("stream_options", "is only allowed with stream: true")

@@ -82,12 +82,10 @@ def serve(args: argparse.Namespace) -> int:
         f"K={llm.num_draft_tokens}" if config.speculation else "off", llm.max_seq_len,
     )  # fmt: skip
     app = create_app(server, start_engine=False)
-    config = uvicorn.Config(
+    listen = uvicorn.Config(
         app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5
     )
-    http = uvicorn.Server(
-        config
-    )  # on a second thread it leaves signals alone: Ctrl-C reaches the main thread
+    http = uvicorn.Server(listen)  # on a second thread it leaves signals alone: Ctrl-C reaches main
 
     def run_http() -> None:
         try:

@@ -112,7 +112,10 @@ class Emitter:
         return propose(self.draft, inputs, next_tokens, row, self.k, sampling, any_sampling, penalties)
 
     def _draft_q(
-        self, draft_probs: torch.Tensor | None, drafts: torch.Tensor, sampling: SamplingTensors
+        self,
+        draft_probs: torch.Tensor | None,  # [B, T - 1, V_draft]
+        drafts: torch.Tensor,  # [B, T - 1] target ids
+        sampling: SamplingTensors,
     ) -> torch.Tensor:  # [B, T - 1, V]
         """The drafts' distributions on the target vocabulary; greedy rows get a one-hot on their draft
         (their stored distributions may be stale, and greedy verification needs exactly that)."""
