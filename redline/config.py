@@ -97,23 +97,15 @@ class ModelConfig:
                 f"redline supports {', '.join(SUPPORTED_ARCHS)}"
             )
         try:
-            if arch in LLAMA3_ARCHS:
-                return _llama3(raw, arch)
-            text = raw.get("text_config", raw)
-            prefix = "language_model." if arch == "Llama4ForConditionalGeneration" else ""
-            return _llama4(text, raw, arch, prefix)
+            return _llama3(raw, arch) if arch in LLAMA3_ARCHS else _llama4(raw, arch)
         except KeyError as e:
             raise ConfigError(f"{source}: missing required field {e.args[0]!r} for {arch}") from e
 
 
 def _eos_ids(*sources: dict[str, Any]) -> tuple[int, ...]:
-    ids: list[int] = []
-    for src in sources:
-        eos = src.get("eos_token_id")
-        for i in eos if isinstance(eos, list) else [eos]:
-            if isinstance(i, int) and i not in ids:
-                ids.append(i)
-    return tuple(ids)
+    found = [src.get("eos_token_id") for src in sources]
+    ids = [i for eos in found for i in (eos if isinstance(eos, list) else [eos]) if isinstance(i, int)]
+    return tuple(dict.fromkeys(ids))  # in order of appearance, without repeats
 
 
 def _rope(cfg: dict[str, Any], default_theta: float) -> RopeConfig:
@@ -182,7 +174,8 @@ def _llama3(cfg: dict[str, Any], arch: str) -> ModelConfig:
     )
 
 
-def _llama4(text: dict[str, Any], outer: dict[str, Any], arch: str, prefix: str) -> ModelConfig:
+def _llama4(outer: dict[str, Any], arch: str) -> ModelConfig:
+    text = outer.get("text_config", outer)
     common = _common(text)
     n = common["num_layers"]
     interval = int(text.get("no_rope_layer_interval", 4))
@@ -213,7 +206,7 @@ def _llama4(text: dict[str, Any], outer: dict[str, Any], arch: str, prefix: str)
         num_experts=int(text.get("num_local_experts", 16)),
         num_experts_per_tok=int(text.get("num_experts_per_tok", 1)),
         expert_intermediate_size=int(text["intermediate_size"]),
-        weight_prefix=prefix,
+        weight_prefix="language_model." if arch == "Llama4ForConditionalGeneration" else "",
         raw=outer,
         **common,
     )

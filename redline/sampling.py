@@ -30,43 +30,35 @@ class SamplingParams:
     ignore_eos: bool = False
     presence_penalty: float = 0.0  # subtracted from the logit of every token generated so far
     frequency_penalty: float = 0.0  # subtracted once per time a token was generated so far
-    repetition_penalty: float = (
-        1.0  # divides positive (multiplies negative) logits of prompt and output tokens
-    )
+    repetition_penalty: float = 1.0  # divides logits > 0, multiplies those < 0, of prompt and output tokens
     logprobs: int | None = None  # per generated token its log-probability and the top N (0: none); None = off
     prompt_logprobs: int | None = None  # the same for every prompt token after the first; None = off
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
-            raise ValueError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
+        def check(name: str, ok: bool, bound: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} must be {bound}, got {getattr(self, name)!r}")
+
+        int_in = lambda value, low, high: isinstance(value, int) and low <= value <= high
+        check("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 0, "an integer >= 0")
         if self.max_tokens == 0 and self.prompt_logprobs is None:
             raise ValueError("max_tokens 0 (prefill only) needs prompt_logprobs")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= MAX_TOP_K:
-            raise ValueError(f"top_k must be an integer in [0, {MAX_TOP_K}], got {self.top_k!r}")
+        check("temperature", self.temperature >= 0, ">= 0")
+        check("top_p", 0 < self.top_p <= 1, "in (0, 1]")
+        check("min_p", 0 <= self.min_p <= 1, "in [0, 1]")
+        check("top_k", int_in(self.top_k, 0, MAX_TOP_K), f"an integer in [0, {MAX_TOP_K}]")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
-                raise ValueError(
-                    f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {getattr(self, name)!r}"
-                )
-        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
-            bound = f"(0, {MAX_REPETITION_PENALTY}]"
-            raise ValueError(f"repetition_penalty must be in {bound}, got {self.repetition_penalty!r}")
+            v = getattr(self, name)
+            check(name, -MAX_PENALTY <= v <= MAX_PENALTY, f"in [-{MAX_PENALTY}, {MAX_PENALTY}]")
+        rep = self.repetition_penalty
+        check("repetition_penalty", 0 < rep <= MAX_REPETITION_PENALTY, f"in (0, {MAX_REPETITION_PENALTY}]")
         for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
-                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+            v = getattr(self, name)
+            check(name, v is None or int_in(v, 0, MAX_LOGPROBS), f"None or an integer in [0, {MAX_LOGPROBS}]")
+        check("seed", self.seed is None or isinstance(self.seed, int), "an integer")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if any(not isinstance(s, str) or not s for s in stops):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        check("stop", all(isinstance(s, str) and s for s in stops), "a non-empty string or a list of them")
         self.stop_strings = tuple(stops)
 
     @property
@@ -133,15 +125,11 @@ class SamplingTensors:
 
     def rows(self, start: int, stop: int) -> SamplingTensors:
         """Views of rows start .. stop - 1 (a batch bucket, or one slot for prefill)."""
-        w = slice(start, stop)
-        t = self
-        return SamplingTensors(t.temperature[w], t.top_k[w], t.top_p[w], t.seed[w], t.min_p[w],
-                               t.presence[w], t.frequency[w], t.repetition[w])  # fmt: skip
+        return self.take(slice(start, stop))
 
-    def take(self, slots: torch.Tensor) -> SamplingTensors:
+    def take(self, slots: torch.Tensor | slice) -> SamplingTensors:
         """The rows of `slots` [B] (a batched prefill's), in that order."""
-        t = self
-        s = slots
+        t, s = self, slots
         return SamplingTensors(t.temperature[s], t.top_k[s], t.top_p[s], t.seed[s], t.min_p[s],
                                t.presence[s], t.frequency[s], t.repetition[s])  # fmt: skip
 

@@ -20,13 +20,6 @@ class TokenizerError(ValueError):
     """A tokenizer file is missing or invalid, or a chat template cannot be rendered."""
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
-        raise TokenizerError(f"cannot read {path}: {error}") from error
-
-
 def _token_content(token: str | dict | None) -> str | None:
     """tokenizer_config.json stores special tokens either as strings or as AddedToken dicts."""
     return token.get("content") if isinstance(token, dict) else token
@@ -35,8 +28,7 @@ def _token_content(token: str | dict | None) -> str | None:
 def _select_chat_template(template: str | list | None) -> str | None:
     """A template is a string, or a list of named templates of which we use "default"."""
     if isinstance(template, list):
-        named = {entry.get("name"): entry.get("template") for entry in template}
-        return named.get("default")
+        return {entry.get("name"): entry.get("template") for entry in template}.get("default")
     return template
 
 
@@ -57,10 +49,6 @@ def _tojson(
     )
 
 
-def _strftime_now(format: str) -> str:
-    return datetime.now().strftime(format)
-
-
 def compile_chat_template(source: str) -> jinja2.Template:
     """Compile a chat template in the same sandboxed environment transformers uses."""
     environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
@@ -68,7 +56,7 @@ def compile_chat_template(source: str) -> jinja2.Template:
     )
     environment.filters["tojson"] = _tojson
     environment.globals["raise_exception"] = _raise_template_exception
-    environment.globals["strftime_now"] = _strftime_now
+    environment.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
     return environment.from_string(source)
 
 
@@ -105,19 +93,19 @@ class Tokenizer:
             backend = tokenizers.Tokenizer.from_file(str(tokenizer_path))
         except Exception as error:
             raise TokenizerError(f"cannot parse tokenizer file {tokenizer_path}: {error}") from error
-
         config_path = model_dir / "tokenizer_config.json"
-        config = _read_json(config_path) if config_path.is_file() else {}
+        try:
+            config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+        except (OSError, ValueError) as error:
+            raise TokenizerError(f"cannot read {config_path}: {error}") from error
         template_path = model_dir / "chat_template.jinja"
-        if template_path.is_file():
-            chat_template = template_path.read_text(encoding="utf-8")
-        else:
-            chat_template = _select_chat_template(config.get("chat_template"))
         return cls(
             backend,
             bos_token=_token_content(config.get("bos_token")),
             eos_token=_token_content(config.get("eos_token")),
-            chat_template=chat_template,
+            chat_template=template_path.read_text(encoding="utf-8")
+            if template_path.is_file()
+            else _select_chat_template(config.get("chat_template")),
             add_bos_token=bool(config.get("add_bos_token", False)),
             extra_eos_ids=extra_eos_ids,
         )
@@ -159,9 +147,7 @@ class Tokenizer:
         # printable Latin-1 bytes stand for themselves; the other 68 take the characters from 256 on
         printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
         others = [b for b in range(256) if b not in printable]
-        alphabet = dict(zip(printable, map(chr, printable), strict=True))
-        alphabet |= {b: chr(256 + i) for i, b in enumerate(others)}
-        return {c: b for b, c in alphabet.items()}
+        return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
 
     @cached_property
     def _compiled_chat_template(self) -> jinja2.Template:
@@ -178,20 +164,13 @@ class Tokenizer:
         self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any
     ) -> str:
         """Render `messages` with the model's chat template exactly as transformers does."""
-        special_tokens = {"bos_token": self.bos_token, "eos_token": self.eos_token}
-        variables = {
-            "tools": None,
-            "documents": None,
-            **{name: token for name, token in special_tokens.items() if token is not None},
-            **extra,
-        }
+        special = {"bos_token": self.bos_token, "eos_token": self.eos_token}
+        variables = {"tools": None, "documents": None, **{k: v for k, v in special.items() if v is not None}}
         # transformers drops None-valued keys (e.g. OpenAI's content=None) before rendering.
-        messages = [
-            {key: value for key, value in message.items() if value is not None} for message in messages
-        ]
+        messages = [{key: value for key, value in m.items() if value is not None} for m in messages]
         try:
             return self._compiled_chat_template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **variables
+                messages=messages, add_generation_prompt=add_generation_prompt, **(variables | extra)
             )
         except jinja2.TemplateError as error:
             raise TokenizerError(f"chat template error: {error}") from error

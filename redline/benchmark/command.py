@@ -4,7 +4,6 @@ running server (--url: load.py, or with --dataset a replay of real traffic: serv
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 
 from redline.engine_flags import add_engine_args
@@ -27,27 +26,24 @@ def add_parser(sub) -> None:
     b = sub.add_parser("bench", help="HF vs redline vs redline + EAGLE-3 (--model), or load a server (--url)")
     add_engine_args(b, groups=("load", "parallel"), skip=("revision", "quantization", "device"))
     server = b.add_argument_group("server load test (--url)")
-    server.add_argument("--url", default=None, help="base URL of an OpenAI-compatible server")
+    server.add_argument("--url", help="base URL of an OpenAI-compatible server")
     server.add_argument("--concurrency", type=_int_list, default=[1, 2, 4, 8, 16], help="client counts")
     server.add_argument("--requests-per-client", type=int, default=2)
-    server.add_argument("--api-key", default=None)
-    server.add_argument("--dataset", choices=["sharegpt"], default=None, help="replay held-out conversations")
-    server.add_argument(
-        "--num-prompts", type=int, default=None, help="with --dataset: requests (default 100)"
-    )
+    server.add_argument("--api-key")
+    server.add_argument("--dataset", choices=["sharegpt"], help="replay held-out conversations")
+    server.add_argument("--num-prompts", type=int, help="with --dataset: requests (default 100)")
     help = "with --dataset: Poisson arrivals per s (default inf)"
-    server.add_argument("--request-rate", type=float, default=None, help=help)
-    server.add_argument("--max-concurrency", type=int, default=None, help="with --dataset: most in flight")
-    help = "with --dataset: cap on max_tokens (default 256)"
-    server.add_argument("--max-output-tokens", type=int, default=None, help=help)
+    server.add_argument("--request-rate", type=float, help=help)
+    server.add_argument("--max-concurrency", type=int, help="with --dataset: most in flight")
+    server.add_argument("--max-output-tokens", type=int, help="with --dataset: max_tokens cap (default 256)")
     help = "with --dataset: the served model's directory or .gguf"
-    server.add_argument("--tokenizer", type=Path, default=None, help=help)
+    server.add_argument("--tokenizer", type=Path, help=help)
     server.add_argument("--ignore-eos", action="store_true", help="with --dataset: exactly max_tokens")
     server.add_argument("--seed", type=int, default=0, help="with --dataset: seed of the arrival times")
     engines = b.add_argument_group("engines (--model)")
     help = "prompts from this held-out set (default: the stdlib held-out files)"
-    engines.add_argument("--data", choices=["sharegpt", "humaneval"], default=None, help=help)
-    engines.add_argument("--draft", type=Path, default=None, help="an EAGLE-3 draft: redline + EAGLE-3 rows")
+    engines.add_argument("--data", choices=["sharegpt", "humaneval"], help=help)
+    engines.add_argument("--draft", type=Path, help="an EAGLE-3 draft: redline + EAGLE-3 rows")
     engines.add_argument("--num-draft-tokens", type=_int_list, default=[1, 2, 3, 4, 5], help="e.g. 1,2,3")
     engines.add_argument("--max-tokens", type=int, default=128)
     engines.add_argument("--prompts", type=int, default=4)
@@ -60,8 +56,8 @@ def add_parser(sub) -> None:
     engines.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     help = "with a .gguf --model: skip llama.cpp (run when llama-cpp-python is installed)"
     engines.add_argument("--no-llama-cpp", action="store_true", help=help)
-    b.add_argument("--json", type=Path, default=None)
-    b.add_argument("--plot", type=Path, default=None, help="PNG path")
+    b.add_argument("--json", type=Path)
+    b.add_argument("--plot", type=Path, help="PNG path")
     b.set_defaults(func=run)
 
 
@@ -88,11 +84,30 @@ def _bench_model(args: argparse.Namespace) -> tuple[Path, tuple[Path, ...]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from redline.benchmark import report
+
+    if args.url:
+        table, result = _bench_dataset(args) if args.dataset else _bench_server(args)
+    else:
+        table, result = _bench_engines(args)
+    print(table)
+    if args.json:
+        report.write_json(result, args.json)
+        print(f"wrote {args.json}")
+    if args.plot and not args.url:
+        report.plot(result, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _given(args: argparse.Namespace, flags: tuple[str, ...]) -> bool:
+    return any(getattr(args, flag[2:].replace("-", "_")) is not None for flag in flags)
+
+
+def _bench_engines(args: argparse.Namespace) -> tuple[str, dict]:
     from redline.benchmark import machine, report
     from redline.benchmark.run import BenchSettings, run_bench
 
-    if args.url:
-        return _bench_server(args)
     if not args.model:
         raise ValueError("redline bench needs --model DIR (engine benchmark) or --url URL (server load test)")
     if args.dataset or _given(args, SERVE_FLAGS):
@@ -114,48 +129,23 @@ def run(args: argparse.Namespace) -> int:
         gguf_files=gguf_files, tensor_parallel_size=args.tensor_parallel_size,
         expert_parallel=args.enable_expert_parallel,
     )  # fmt: skip
-    result = {
-        "machine": machine.describe(),
-        **run_bench(model_dir, args.draft, args.num_draft_tokens, settings),
-    }
-    print(report.table(result))
-    if args.json:
-        report.write_json(result, args.json)
-        print(f"wrote {args.json}")
-    if args.plot:
-        report.plot(result, args.plot)
-        print(f"wrote {args.plot}")
-    return 0
+    result = {"machine": machine.describe()}
+    result |= run_bench(model_dir, args.draft, args.num_draft_tokens, settings)
+    return report.table(result), result
 
 
-def _given(args: argparse.Namespace, flags: tuple[str, ...]) -> bool:
-    return any(getattr(args, flag[2:].replace("-", "_")) is not None for flag in flags)
-
-
-def _bench_server(args: argparse.Namespace) -> int:
+def _bench_server(args: argparse.Namespace) -> tuple[str, dict]:
     from redline.benchmark import machine
     from redline.benchmark.load import load_table, run_load
 
-    if args.dataset:
-        return _bench_dataset(args)
     if _given(args, SERVE_FLAGS):
         raise ValueError(f"{', '.join(SERVE_FLAGS)} replay a data set: add --dataset sharegpt")
     load = run_load(args.url, args.concurrency, args.requests_per_client, args.max_tokens, args.api_key)
     result = {"machine": machine.describe(), **load}
-    return _show(load_table(result), result, args.json)
+    return load_table(result), result
 
 
-def _show(table: str, result: dict, json_path: Path | None) -> int:
-    from redline.benchmark import report
-
-    print(table)
-    if json_path:
-        report.write_json(result, json_path)
-        print(f"wrote {json_path}")
-    return 0
-
-
-def _bench_dataset(args: argparse.Namespace) -> int:
+def _bench_dataset(args: argparse.Namespace) -> tuple[str, dict]:
     from redline.benchmark import machine
     from redline.benchmark.serve_bench import ServeSettings, run_serve_bench
     from redline.benchmark.serve_report import serve_table
@@ -166,14 +156,11 @@ def _bench_dataset(args: argparse.Namespace) -> int:
             "--dataset sharegpt needs --tokenizer DIR (the served model's directory): each request's "
             "max_tokens is its real answer's length in the model's tokens"
         )
+    defaulted = {name: getattr(args, name) for name in ("num_prompts", "request_rate", "max_output_tokens")}
     settings = ServeSettings(
         local_model(args.tokenizer),  # a served .gguf file: its import holds the tokenizer
-        num_prompts=100 if args.num_prompts is None else args.num_prompts,
-        request_rate=math.inf if args.request_rate is None else args.request_rate,
-        max_concurrency=args.max_concurrency,
-        max_output_tokens=256 if args.max_output_tokens is None else args.max_output_tokens,
-        ignore_eos=args.ignore_eos,
-        seed=args.seed,
-    )
+        max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos, seed=args.seed,
+        **{name: value for name, value in defaulted.items() if value is not None},  # None: ServeSettings'
+    )  # fmt: skip
     result = {"machine": machine.describe(), **run_serve_bench(args.url, settings, args.api_key)}
-    return _show(serve_table(result), result, args.json)
+    return serve_table(result), result

@@ -15,7 +15,10 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+Complete = Callable[[list[int], int], tuple[list[int], float, float]]  # (prompt, n) -> tokens, ttft_s, rate
 
 
 def available() -> bool:
@@ -64,23 +67,29 @@ def complete(model, prompt: list[int], n: int) -> tuple[list[int], float, float]
     return tokens, times[0] - start, (n - 1) / (times[-1] - times[0])
 
 
-def bench_file(path: Path, prompts: list[list[int]], max_tokens: int, repeats: int, threads: int) -> dict:
-    """In this process: one warm-up completion, then every prompt `repeats` times."""
-    from llama_cpp import Llama
-
-    context = max(map(len, prompts)) + max_tokens + 16
-    model = Llama(str(path), n_ctx=context, n_threads=threads, n_threads_batch=threads, verbose=False)
+def timed_runs(complete: Complete, prompts: list[list[int]], max_tokens: int, repeats: int) -> dict:
+    """One warm-up completion, then every prompt `repeats` times (the HF baseline's loop too): warmup_s,
+    rates and ttfts of every run, outputs of the last repeat."""
     start = time.perf_counter()
-    complete(model, prompts[0], max_tokens)
+    complete(prompts[0], max_tokens)
     result = {"warmup_s": time.perf_counter() - start, "rates": [], "ttfts": [], "outputs": []}
     for _ in range(repeats):
         result["outputs"] = []
         for prompt in prompts:
-            tokens, ttft, rate = complete(model, prompt, max_tokens)
+            tokens, ttft, rate = complete(prompt, max_tokens)
             result["rates"].append(rate)
             result["ttfts"].append(ttft)
             result["outputs"].append(tokens)
     return result
+
+
+def bench_file(path: Path, prompts: list[list[int]], max_tokens: int, repeats: int, threads: int) -> dict:
+    """timed_runs of the file, in this process."""
+    from llama_cpp import Llama
+
+    context = max(map(len, prompts)) + max_tokens + 16
+    model = Llama(str(path), n_ctx=context, n_threads=threads, n_threads_batch=threads, verbose=False)
+    return timed_runs(lambda prompt, n: complete(model, prompt, n), prompts, max_tokens, repeats)
 
 
 def bench_in_child(path: Path, prompts: list[list[int]], max_tokens: int, repeats: int, threads: int) -> dict:

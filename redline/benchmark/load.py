@@ -173,17 +173,12 @@ def run_level(url: str, model: str, concurrency: int, requests_per_client: int, 
     def median(values: list[float]) -> float:
         return statistics.median(values) if values else math.nan
 
-    return {
-        "concurrency": concurrency,
-        "requests": len(ok),
-        "errors": len(errors),
-        "error_examples": errors[:3],
-        "ttft_s_median": median([r.ttft_s for r in ok]),
-        "itl_s_median": median([r.tpot_s for r in ok]),
-        "tps_user_median": median([1 / r.tpot_s for r in ok if r.tpot_s]),  # type: ignore[operator]
-        "tps_total": sum(r.output_tokens for r in ok) / run.duration_s,
-        "wall_s": run.duration_s,
-    }
+    return {"concurrency": concurrency, "requests": len(ok), "errors": len(errors),
+            "error_examples": errors[:3], "ttft_s_median": median([r.ttft_s for r in ok]),
+            "itl_s_median": median([r.tpot_s for r in ok]),
+            "tps_user_median": median([1 / r.tpot_s for r in ok if r.tpot_s]),  # type: ignore[operator]
+            "tps_total": sum(r.output_tokens for r in ok) / run.duration_s,
+            "wall_s": run.duration_s}  # fmt: skip
 
 
 def run_load(

@@ -48,16 +48,10 @@ def read_bandwidth_gbps(megabytes: int = 256, repeats: int = 10) -> float:
 
 
 def describe(device: str = "cpu") -> dict:
-    info = {
-        "cpu": cpu_model(),
-        "cores": os.cpu_count(),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "device": device,
-        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-        "busy_cores_at_start": round(busy_cores(), 2),
-    }
+    info = {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "python": platform.python_version(), "device": device,
+            "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+            "busy_cores_at_start": round(busy_cores(), 2)}  # fmt: skip
     if device.startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     try:

@@ -1,14 +1,6 @@
 """Benchmark prompts from the held-out sets, in a fixed order (HumanEval's, and ShareGPT's held-out
-conversations sorted by id), skipping those that do not fit:
-
-- engine bench (`redline bench --model --data`): HumanEval prompts raw (a base-style completion), or
-  ShareGPT's first user turn rendered with the model's chat template; as token ids;
-- serving bench (`redline bench --url --dataset sharegpt`): the first user turn and, as max_tokens, the
-  length of the real first answer, both counted with the served model's tokenizer. As in vLLM's
-  `bench serve`, conversations with a prompt or an answer under 4 tokens are skipped, and so are
-  prompts over MAX_PROMPT_TOKENS and requests that would not fit the server's context;
-- the fixed-length load sweep: text cut from the standard library's held-out files.
-"""
+conversations sorted by id), skipping those that do not fit: the engine bench's (`redline bench --model
+--data`), the serving bench's (`--url --dataset sharegpt`) and the fixed-length load sweep's (`--url`)."""
 
 from __future__ import annotations
 
@@ -33,7 +25,8 @@ class Request:
 
 
 def engine_prompts(tokenizer: Tokenizer, name: str, count: int) -> list[list[int]]:
-    """The first `count` prompts of a held-out set with at most MAX_PROMPT_TOKENS tokens."""
+    """The first `count` prompts of a held-out set with at most MAX_PROMPT_TOKENS tokens, as token ids:
+    HumanEval's raw (a base-style completion), ShareGPT's first user turn in the model's chat template."""
     if name == "humaneval":
         encoded = (tokenizer.encode(p.prompt) for p in humaneval.problems())
     elif name == "sharegpt":
@@ -52,8 +45,10 @@ def engine_prompts(tokenizer: Tokenizer, name: str, count: int) -> list[list[int
 def sharegpt_requests(
     tokenizer: Tokenizer, count: int, max_output_tokens: int, max_model_len: int | None, ignore_eos: bool
 ) -> list[Request]:
-    """The first `count` held-out conversations that fit: first user turn, real first answer's length
-    capped at `max_output_tokens`."""
+    """The first `count` held-out conversations that fit: the first user turn and, as max_tokens, the real
+    first answer's length capped at `max_output_tokens`, both counted with the served model's tokenizer.
+    As in vLLM's `bench serve`, a prompt or an answer under MIN_TOKENS is skipped, and so are prompts over
+    MAX_PROMPT_TOKENS and requests that would not fit the server's context."""
     requests = []
     for c in sharegpt.conversations("held_out"):
         question, answer = c.messages[0], c.messages[1]["content"]

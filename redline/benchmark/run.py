@@ -10,23 +10,20 @@ holds the compile, reported as warmup_s). tokens/s per user is the decode rate o
 redline runs eager, compiled, or both (`modes`); with a GGUF model and llama-cpp-python installed,
 llama.cpp runs the GGUF file and an F16 copy of its dequantized weights (llamacpp.py).
 
-draft_share: the fraction of an eager decode step (K + 1 verified tokens) not spent in the target's
-forward over those tokens, i.e. the draft's proposals plus verification, measured on the same runner.
-
 Roofline: a batch-1 decode step reads every weight of the target once, so no engine can produce more
 than bandwidth / weight bytes tokens per step-time; the bandwidth is measured in the same run
 (machine.read_bandwidth_gbps) and each run's roofline_pct is its median tokens/s against that bound
 (speculation can pass 100%: it produces several tokens per read of the weights). A llama.cpp row's bound
-is its own file's tensor bytes (Q4_1: 97 MB against 269 MB in bf16).
+is its own file's tensor bytes.
 """
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import median
 
 import torch
 
@@ -58,42 +55,23 @@ class BenchSettings:
 
 
 def _summary(engine: str, k: int | None, rates: list[float], ttfts: list[float], warmup_s: float) -> dict:
-    return {
-        "engine": engine,
-        "compiled": False,
-        "num_draft_tokens": k,
-        "tps_user_median": statistics.median(rates),
-        "tps_user_min": min(rates),
-        "tps_user_max": max(rates),
-        "ttft_s_median": statistics.median(ttfts),
-        "warmup_s": warmup_s,
-        "acceptance_length": None,
-        "acceptance_rates": None,
-        "draft_share": None,
-    }
+    return {"engine": engine, "compiled": False, "num_draft_tokens": k, "tps_user_median": median(rates),
+            "tps_user_min": min(rates), "tps_user_max": max(rates), "ttft_s_median": median(ttfts),
+            "warmup_s": warmup_s, "acceptance_length": None, "acceptance_rates": None,
+            "draft_share": None}  # fmt: skip
 
 
 def bench_hf(model_dir: Path, prompts: list[list[int]], s: BenchSettings) -> tuple[dict, list[list[int]]]:
     model = hf.load_hf(model_dir, parse_dtype(s.dtype))
-    start = time.perf_counter()
-    hf.run_hf(model, prompts[0], s.max_tokens)
-    warmup = time.perf_counter() - start
-    rates, ttfts, outputs = [], [], []
-    for _ in range(s.repeats):
-        outputs = []
-        for prompt in prompts:
-            tokens, ttft, rate = hf.run_hf(model, prompt, s.max_tokens)
-            rates.append(rate)
-            ttfts.append(ttft)
-            outputs.append(tokens)
-    return _summary("hf", None, rates, ttfts, warmup), outputs
+    r = llamacpp.timed_runs(lambda prompt, n: hf.run_hf(model, prompt, n), prompts, s.max_tokens, s.repeats)
+    return _summary("hf", None, r["rates"], r["ttfts"], r["warmup_s"]), r["outputs"]
 
 
 def bench_llama_cpp(path: Path, prompts: list[list[int]], s: BenchSettings) -> tuple[dict, list[list[int]]]:
     r = llamacpp.bench_in_child(path, prompts, s.max_tokens, s.repeats, torch.get_num_threads())
     engine = f"llama.cpp {llamacpp.file_kind(path)}"
     result = _summary(engine, None, r["rates"], r["ttfts"], r["warmup_s"])
-    result["weight_bytes"] = llamacpp.weight_bytes(path)  # its own roofline: Q4_1 reads about a third
+    result["weight_bytes"] = llamacpp.weight_bytes(path)  # its own roofline, in the file's quantization
     return result, r["outputs"]
 
 
@@ -135,7 +113,8 @@ def bench_redline(
 
 @torch.inference_mode()
 def draft_share(llm: LLM, prompt: list[int], steps: int = 10) -> float:
-    """1 - (target forward over K + 1 tokens) / (whole eager step), both at the same KV bucket, on the
+    """The share of an eager decode step not spent in the target's forward over its K + 1 tokens (the draft's
+    proposals plus verification): 1 - (target forward) / (whole step), both at the same KV bucket, on the
     runner of an idle engine: the prompt prefilled into slot 0 over the pool's first blocks."""
     runner, shapes = llm.runner, llm.runner.shapes
     fill_slot(runner, prompt, positions=len(prompt) + shapes.lookahead)
@@ -191,30 +170,22 @@ def run_bench(model_dir: Path, draft: Path | None, ks: list[int], s: BenchSettin
         prompts = engine_prompts(Tokenizer.from_dir(model_dir), s.data, s.num_prompts)
     else:
         prompts = held_out_prompts(model_dir, s.num_prompts, s.prompt_len)
-    runs, outputs = [], []
-    if s.hf:
-        result, tokens = bench_hf(model_dir, prompts, s)
-        runs.append(result)
-        outputs.append(tokens)
+    measured = [bench_hf(model_dir, prompts, s)] if s.hf else []  # (run, its outputs) per configuration
     failures = []
     for path in s.gguf_files:
         try:
-            result, tokens = bench_llama_cpp(path, prompts, s)
+            measured.append(bench_llama_cpp(path, prompts, s))
         except RuntimeError as e:  # a peer that fails is reported, and the benchmark goes on
             print(f"[redline] {e}", file=sys.stderr)
             failures.append(str(e))
-            continue
-        runs.append(result)
-        outputs.append(tokens)
     reference = None
     for compiled in s.modes:
         for k in [0, *(ks if draft else [])]:
-            result, tokens = bench_redline(model_dir, draft if k else None, k, prompts, s, compiled)
-            runs.append(result)
-            outputs.append(tokens)
-            reference = reference or tokens  # the first redline plain run
+            measured.append(bench_redline(model_dir, draft if k else None, k, prompts, s, compiled))
+            reference = reference or measured[-1][1]  # the first redline plain run
     bound = roofline(model_dir, s.dtype)
-    for run, tokens in zip(runs, outputs, strict=True):
+    runs = [run for run, _ in measured]
+    for run, tokens in measured:
         run["tokens_equal_plain"] = tokens == reference  # greedy: every engine should agree
         bytes_per_step = run.get("weight_bytes", bound["weight_bytes"])
         run["roofline_pct"] = 100 * run["tps_user_median"] * bytes_per_step / (bound["bandwidth_gbps"] * 1e9)

@@ -42,10 +42,8 @@ class ServeSettings:
 def scrape_metrics(url: str) -> dict[str, float]:
     """Samples of GET /metrics ("name{labels}" -> value); empty when the server has no such page."""
     try:
-        response = httpx.get(url + "/metrics", timeout=30)
-    except httpx.HTTPError:
-        return {}
-    if response.status_code != 200:
+        response = httpx.get(url + "/metrics", timeout=30).raise_for_status()
+    except httpx.HTTPError:  # unreachable, or no such page
         return {}
     samples = {}
     for line in response.text.splitlines():
@@ -55,19 +53,11 @@ def scrape_metrics(url: str) -> dict[str, float]:
     return samples
 
 
-def acceptance_length(before: dict[str, float], after: dict[str, float]) -> float | None:
-    """Mean acceptance length of the requests finished between the two scrapes."""
-    delta = {
-        k: after.get(f"{ACCEPTANCE}_{k}", 0.0) - before.get(f"{ACCEPTANCE}_{k}", 0.0)
-        for k in ("sum", "count")
-    }
-    return delta["sum"] / delta["count"] if delta["count"] > 0 else None
-
-
-def prefix_hit_rate(before: dict[str, float], after: dict[str, float]) -> float | None:
-    """Prompt tokens found in the prefix cache over those looked up, between the two scrapes."""
-    queries = after.get(PREFIX_QUERIES, 0.0) - before.get(PREFIX_QUERIES, 0.0)
-    return (after.get(PREFIX_HITS, 0.0) - before.get(PREFIX_HITS, 0.0)) / queries if queries > 0 else None
+def growth_ratio(before: dict[str, float], after: dict[str, float], part: str, whole: str) -> float | None:
+    """How much sample `part` grew between the two scrapes over how much `whole` did; None if `whole` did
+    not grow (or the server has no such samples)."""
+    grown = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in (part, whole)}
+    return grown[part] / grown[whole] if grown[whole] > 0 else None
 
 
 def run_serve_bench(url: str, s: ServeSettings, api_key: str | None = None) -> dict:
@@ -91,6 +81,6 @@ def run_serve_bench(url: str, s: ServeSettings, api_key: str | None = None) -> d
         "dataset": "sharegpt",
         "settings": {**asdict(s), "tokenizer": str(s.tokenizer)},
         **summarize(run),
-        "acceptance_length": acceptance_length(before, after),
-        "prefix_cache_hit_rate": prefix_hit_rate(before, after),
+        "acceptance_length": growth_ratio(before, after, f"{ACCEPTANCE}_sum", f"{ACCEPTANCE}_count"),
+        "prefix_cache_hit_rate": growth_ratio(before, after, PREFIX_HITS, PREFIX_QUERIES),
     }

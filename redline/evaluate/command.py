@@ -12,9 +12,8 @@ from redline.engine_flags import add_engine_args
 def add_parser(sub) -> None:
     e = sub.add_parser("eval", help="BF16 vs FP8 vs speculation: perplexity, KL, agreement, task accuracy")
     add_engine_args(e, groups=("load", "parallel"), skip=("revision", "quantization"))
-    e.add_argument(
-        "--data", required=True, help="humaneval | sharegpt | JSONL task file (math, choice, code)"
-    )
+    help = "humaneval | sharegpt | JSONL task file (math, choice, code)"
+    e.add_argument("--data", required=True, help=help)
     e.add_argument("--limit", type=int, default=None, help="evaluate the first N tasks only")
     e.add_argument("--compare", action="append", default=[], help="fp8 | bf16 | fp32 | spec:DRAFT_DIR | DIR")
     help = "held-out text for perplexity (default: the set's own, or the stdlib held-out files)"

@@ -18,21 +18,16 @@ SHAREGPT_MAX_PROMPT_CHARS = 4000  # longer first turns are skipped (a few thousa
 
 
 def humaneval_tasks() -> list[Task]:
-    tasks = []
-    for p in humaneval.problems():
-        tasks.append(Task(p.task_id, "humaneval pass@1", "code", p.prompt, answer=None, tests=p.tests,
-                          max_tokens=HUMANEVAL_MAX_TOKENS, stop=humaneval.STOP))  # fmt: skip
-    return tasks
+    return [Task(p.task_id, "humaneval pass@1", "code", p.prompt, answer=None, tests=p.tests,
+                 max_tokens=HUMANEVAL_MAX_TOKENS, stop=humaneval.STOP)
+            for p in humaneval.problems()]  # fmt: skip
 
 
 def sharegpt_tasks() -> list[Task]:
-    tasks = []
-    for c in sharegpt.conversations("held_out"):
-        if len(c.messages[0]["content"]) > SHAREGPT_MAX_PROMPT_CHARS:
-            continue
-        tasks.append(Task(c.id, "sharegpt", "open", c.messages[0]["content"], answer=None, tests=None,
-                          max_tokens=SHAREGPT_MAX_TOKENS, messages=c.messages[:1]))  # fmt: skip
-    return tasks
+    return [Task(c.id, "sharegpt", "open", c.messages[0]["content"], answer=None, tests=None,
+                 max_tokens=SHAREGPT_MAX_TOKENS, messages=c.messages[:1])
+            for c in sharegpt.conversations("held_out")
+            if len(c.messages[0]["content"]) <= SHAREGPT_MAX_PROMPT_CHARS]  # fmt: skip
 
 
 def tasks(name: str) -> list[Task]:

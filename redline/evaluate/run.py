@@ -56,48 +56,33 @@ def text_windows(
     separator = min(tokenizer.eos_token_ids, default=0)
     encoded: list[list[int]] = []
     for text in texts:
-        encoded.append(
-            tokenizer.encode(text) if isinstance(text, str) else tokenizer.encode_chat(list(text), False)
-        )
+        chat = not isinstance(text, str)
+        encoded.append(tokenizer.encode_chat(list(text), False) if chat else tokenizer.encode(text))
         if sum(map(len, encoded)) + len(encoded) > count * length:
             break
     stream = data.token_stream(encoded, separator)
     return [stream[i * length : (i + 1) * length + 1] for i in range(min(count, (len(stream) - 1) // length))]
 
 
-def prompt(tokenizer: Tokenizer, task: Task) -> str | list[int]:
-    return tokenizer.encode_chat(list(task.messages)) if task.messages else task.prompt
-
-
-def log_probs(llm: LLM, windows: list[torch.Tensor]) -> list[torch.Tensor]:
-    """[T, V] fp32 per window of T + 1 tokens (every tensor-parallel rank joins)."""
-    return [llm.log_probs(window.tolist()) for window in windows]
-
-
 def evaluate(
-    configs: list[EvalConfig],
-    tasks: list[Task],
-    texts: list[str | Messages],
-    windows: int = 16,
-    window_len: int = 256,
-    device: str = "cpu",
-    tensor_parallel_size: int = 1,
-    expert_parallel: bool = False,
-) -> list[dict]:
+    configs: list[EvalConfig], tasks: list[Task], texts: list[str | Messages], windows: int = 16,
+    window_len: int = 256, device: str = "cpu", tensor_parallel_size: int = 1, expert_parallel: bool = False,
+) -> list[dict]:  # fmt: skip
     rows, base_lp, base_tokens = [], None, None
     for config in configs:
         llm = LLM(config.model_dir, dtype=config.dtype, device=device, max_num_seqs=8, draft=config.draft,
                   tensor_parallel_size=tensor_parallel_size,
                   enable_expert_parallel=expert_parallel)  # fmt: skip
         samples = text_windows(llm.tokenizer, texts, window_len, windows)
-        lp = log_probs(llm, samples)
+        lp = [llm.log_probs(w.tolist()) for w in samples]  # [T, V] fp32 per window (every TP rank joins)
         nll = [
             -row[torch.arange(len(w) - 1), w[1:]].mean().item() for row, w in zip(lp, samples, strict=True)
         ]
         base_lp = base_lp or lp
         kl = [(b.exp() * (b - c)).sum(-1).mean().item() for b, c in zip(base_lp, lp, strict=True)]
         params = [SamplingParams(max_tokens=t.max_tokens, stop=list(t.stop) or None) for t in tasks]
-        completions = llm.generate([prompt(llm.tokenizer, t) for t in tasks], params)
+        prompts = [llm.tokenizer.encode_chat(list(t.messages)) if t.messages else t.prompt for t in tasks]
+        completions = llm.generate(prompts, params)
         tokens = [c.token_ids for c in completions]
         base_tokens = base_tokens or tokens
         pairs = [(a, b) for x, y in zip(tokens, base_tokens, strict=True) for a, b in zip(x, y, strict=False)]

@@ -40,14 +40,10 @@ def run_python(program: str, timeout: float) -> bool:
         script.write_text(program, encoding="utf-8")
         limits = [str(MEMORY_BYTES), str(math.ceil(timeout) + 1), str(FILE_BYTES)]
         process = subprocess.Popen(
-            [sys.executable, "-I", "-c", _BOOTSTRAP, str(script), *limits],
-            cwd=tmp,
-            env={"PATH": os.environ.get("PATH", "")},
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+            [sys.executable, "-I", "-c", _BOOTSTRAP, str(script), *limits], cwd=tmp,
+            env={"PATH": os.environ.get("PATH", "")}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
         try:
             return process.wait(timeout=timeout) == 0
         except subprocess.TimeoutExpired:

@@ -63,15 +63,9 @@ def _task(r: dict, where: str) -> Task:
         prompt = f"{prompt}\n{options}\nAnswer:"
     if kind != "code" and r.get("answer") is None:
         raise ValueError(f'{where}: a {kind} task needs an "answer"')
-    return Task(
-        id=str(r.get("id", where)),
-        task=str(r.get("task", kind)),
-        kind=kind,
-        prompt=prompt,
-        answer=None if r.get("answer") is None else str(r["answer"]),
-        tests=r.get("tests"),
-        max_tokens=int(r.get("max_tokens", 256)),
-    )
+    return Task(id=str(r.get("id", where)), task=str(r.get("task", kind)), kind=kind, prompt=prompt,
+                answer=None if r.get("answer") is None else str(r["answer"]), tests=r.get("tests"),
+                max_tokens=int(r.get("max_tokens", 256)))  # fmt: skip
 
 
 def normalize(value: str) -> str:

@@ -53,16 +53,20 @@ def module_key_to_checkpoint_key(config: ModelConfig, key: str) -> str:
     return config.weight_prefix + key
 
 
-def _check_quantization(quantization: str | None) -> None:
+def _config_and_scheme(
+    model_dir: str | Path, quantization: str | None = None
+) -> tuple[ModelConfig, Fp8Scheme | None]:
+    """The whole model's config and the FP8 scheme of its checkpoint (None: high precision)."""
     if quantization not in (None, "fp8"):
         raise ValueError(f"unknown quantization {quantization!r}; choose fp8")
+    config = ModelConfig.from_dir(model_dir)
+    return config, fp8_scheme(config.raw, str(Path(model_dir) / "config.json"))
 
 
 def fp8_weights(model_dir: str | Path, quantization: str | None) -> bool:
     """Whether the decoder's linears will hold FP8 weights: an FP8 checkpoint, or quantization on load."""
-    _check_quantization(quantization)
-    config = ModelConfig.from_dir(model_dir)
-    return quantization == "fp8" or fp8_scheme(config.raw, str(Path(model_dir) / "config.json")) is not None
+    scheme = _config_and_scheme(model_dir, quantization)[1]
+    return quantization == "fp8" or scheme is not None
 
 
 def skeleton(
@@ -74,8 +78,7 @@ def skeleton(
 ) -> LlamaForCausalLM:
     """Rank tp.rank's model on the meta device, without weights: its shard's shapes, and FP8 modules
     where the checkpoint's quantization_config puts them."""
-    config = ModelConfig.from_dir(model_dir)
-    scheme = fp8_scheme(config.raw, str(Path(model_dir) / "config.json"))
+    config, scheme = _config_and_scheme(model_dir)
     if tp.size > 1:
         config = sharding.local_config(config, tp.size, tp.expert_parallel)
     with torch.device("meta"):
@@ -99,29 +102,21 @@ def load_target(
     expert module as soon as its weights are read, so the high-precision model never sits in memory whole);
     FP8 checkpoints load as FP8 whatever it says. backends: what runs in the layers (layers/backends.py);
     aux_layers: the hidden states an EAGLE-3 draft reads (models/eagle3.aux_layers_of)."""
-    _check_quantization(quantization)
-    whole = ModelConfig.from_dir(model_dir)
-    shard_of = None
-    if tp.size > 1:
-        shard_of = functools.partial(
-            sharding.shard_of, whole, rank=tp.rank, size=tp.size, expert_parallel=tp.expert_parallel
-        )
+    whole, scheme = _config_and_scheme(model_dir, quantization)
     scaled_mm = scaled_mm_available(torch.device(device))
     model = skeleton(model_dir, tp, scaled_mm, backends, aux_layers)
-    config, scheme = model.config, fp8_scheme(whole.raw)
     hook = None
     if scheme is None and quantization == "fp8":
         hook = QuantizeOnLoad(model, Fp8Scheme(tuple(HIGH_PRECISION)), scaled_mm)
-    optional = ["lm_head.weight"] if config.tie_word_embeddings else []
     load_weights(
         model,
         model_dir,
         dtype=dtype,
         device=device,
         rename=checkpoint_key_to_module_key(whole, tp),
-        optional=optional,
+        optional=["lm_head.weight"] if whole.tie_word_embeddings else [],
         hook=hook,
-        shard_of=shard_of,
+        shard_of=lambda key: sharding.shard_of(whole, key, tp.rank, tp.size, tp.expert_parallel),
     )
     model.finish_loading()
     model.model.rotary.materialize(torch.device(device))

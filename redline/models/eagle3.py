@@ -230,18 +230,19 @@ def load_draft(
     )  # fmt: skip
     if not own_head:  # the target's head (its vocabulary is the draft's: checked), or its block of it
         draft.lm_head.weight = target.lm_head.weight
-    for name in ("d2t", "t2d"):  # absent: identity vocabulary (draft_vocab_size == vocab_size was checked)
-        if getattr(draft, name).is_meta:
-            full = torch.zeros if name == "d2t" else torch.ones
-            size = config.draft_vocab_size if name == "d2t" else config.layer.vocab_size
-            draft.register_buffer(
-                name, full(size, dtype=torch.int64 if name == "d2t" else torch.bool, device=device)
-            )
-    draft.d2t = draft.d2t.long()
-    draft.t2d = draft.t2d.bool()
+    if draft.d2t.is_meta:  # absent: the identity vocabulary (draft_vocab_size == vocab_size was checked)
+        draft.d2t = torch.zeros(config.draft_vocab_size, dtype=torch.int64, device=device)
+    if draft.t2d.is_meta:
+        draft.t2d = torch.ones(config.layer.vocab_size, dtype=torch.bool, device=device)
+    draft.d2t, draft.t2d = draft.d2t.long(), draft.t2d.bool()
     draft.rotary.materialize(torch.device(device))
     draft.midlayer.mlp.fuse_gate_up()
-    _check_aux_width(draft, target, draft_dir)
+    expected = len(target.aux_layers) * target.config.hidden_size
+    if draft.fc.in_features != expected:
+        raise CheckpointError(
+            f"{draft_dir}: fc.weight takes {draft.fc.in_features} inputs, "
+            f"the target's aux hidden states have {expected}"
+        )
     return draft.eval()
 
 
@@ -286,15 +287,6 @@ def _check_fits(
         )
 
 
-def _check_aux_width(draft: Eagle3Draft, target: LlamaForCausalLM, draft_dir: str | Path) -> None:
-    expected = len(target.aux_layers) * target.config.hidden_size
-    if draft.fc.in_features != expected:
-        raise CheckpointError(
-            f"{draft_dir}: fc.weight takes {draft.fc.in_features} inputs, "
-            f"the target's aux hidden states have {expected}"
-        )
-
-
 def _draft_fields(layer: ModelConfig, draft_vocab_size: int, target_hidden_size: int) -> dict[str, Any]:
     """The config.json fields that describe a draft's one decoder layer and its vocabularies."""
     return dict(
@@ -321,20 +313,14 @@ def _with_aux_layers(raw: dict[str, Any], aux_layers: tuple[int, ...] | None) ->
     return raw
 
 
-def draft_config_dict(draft: Eagle3Draft) -> dict[str, Any]:
-    """config.json in the layout vLLM and SGLang accept for EAGLE-3 drafts."""
-    c = draft.config
+def save_draft(draft: Eagle3Draft, out_dir: str | Path) -> None:
+    """Writes model.safetensors with `midlayer.*` keys (EAGLE / SpecForge layout) and config.json in the
+    layout vLLM and SGLang accept for EAGLE-3 drafts."""
+    c, out = draft.config, Path(out_dir)
     raw = {k: v for k, v in c.raw.items() if k != "eagle_config"}
     raw.update(_draft_fields(c.layer, c.draft_vocab_size, c.target_hidden_size))
-    return _with_aux_layers(raw, c.aux_layers)
-
-
-def save_draft(draft: Eagle3Draft, out_dir: str | Path) -> None:
-    """Writes config.json + model.safetensors with `midlayer.*` keys (EAGLE / SpecForge layout)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     save_weights(dict(draft.state_dict()), out)
-    (out / "config.json").write_text(json.dumps(draft_config_dict(draft), indent=2))
+    (out / "config.json").write_text(json.dumps(_with_aux_layers(raw, c.aux_layers), indent=2))
 
 
 def draft_config_for(

@@ -1,10 +1,7 @@
 """Llama 4 experts stored one projection per expert, as nn.Linear weights ([out, in]): how each fills the
 fused tensors redline computes with (layers/moe.py `Experts`, quant/fp8_experts.py `Fp8Experts`).
-
-llm-compressor writes this layout for the FP8 Llama 4 releases (RedHatAI/Llama-4-Scout-17B-16E-Instruct-
-FP8-dynamic, Maverick FP8): it unpacks the experts into Llama4TextMLP modules before quantizing, so every
-`experts.N.{gate,up,down}_proj` is a Linear with its own `weight_scale` ([out, 1], per output channel).
-vLLM reads the same keys into its fused w13 / w2 (FusedMoE.make_expert_params_mapping).
+The FP8 Llama 4 releases (llm-compressor's RedHatAI/...-FP8-dynamic) store their experts so, each
+projection with its own `weight_scale` ([out, 1], per output channel):
 
     experts.N.gate_proj.weight [I, H]   -> gate_up_proj[N, :, :I]   ([H, I], transposed)
     experts.N.up_proj.weight   [I, H]   -> gate_up_proj[N, :, I:]
@@ -14,8 +11,6 @@ vLLM reads the same keys into its fused w13 / w2 (FusedMoE.make_expert_params_ma
     experts.N.down_proj.weight_scale [H, 1] -> down_proj_scale[N]             ([H, 1], as stored)
 
 FP8 values move unchanged (a transpose is exact), so the fused FP8 tensors equal a fused checkpoint's.
-Under tensor parallelism (`rank_part`) a rank reads a block of each expert's width into its narrower
-fused tensors, or, with expert parallelism, only its own experts, whole.
 """
 
 from __future__ import annotations

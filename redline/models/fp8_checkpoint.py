@@ -14,15 +14,13 @@ import json
 import shutil
 from pathlib import Path
 
-import torch
-
 from redline.config import ConfigError, ModelConfig
-from redline.models.build import checkpoint_key_to_module_key, module_key_to_checkpoint_key
-from redline.models.llama import LlamaForCausalLM
+from redline.models.build import checkpoint_key_to_module_key, module_key_to_checkpoint_key, skeleton
 from redline.models.loader import Part, check_checkpoint
-from redline.models.quantize import HIGH_PRECISION, Kind, quantize_weight, quantized_weights
+from redline.models.quantize import HIGH_PRECISION, quantized_weights
 from redline.models.shards import DEFAULT_SHARD_BYTES, ShardWriter
 from redline.models.tensor_files import checkpoint_files, open_tensor_file
+from redline.quant.fp8 import Kind, quantize_weight
 from redline.quant.scheme import Fp8Scheme, compressed_tensors_config, fp8_scheme
 
 COPIED = (
@@ -43,9 +41,7 @@ def quantize_checkpoint(
     config = ModelConfig.from_dir(model_dir)
     if fp8_scheme(config.raw, str(model_dir / "config.json")) is not None:
         raise ConfigError(f"{model_dir / 'config.json'}: the checkpoint is quantized already")
-    rename = checkpoint_key_to_module_key(config)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+    rename, model = checkpoint_key_to_module_key(config), skeleton(model_dir)
     optional = ["lm_head.weight"] if config.tie_word_embeddings else []
     check_checkpoint(model, model_dir, rename=rename, optional=optional)
     weights = quantized_weights(model, Fp8Scheme(tuple(HIGH_PRECISION)))

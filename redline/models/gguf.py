@@ -20,10 +20,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from redline.config import ModelConfig
 from redline.models.gguf_config import generation_config, hf_config
 from redline.models.gguf_reader import GGUFError, GGUFFile
 from redline.models.gguf_tensors import ROPE_FREQS, hf_name, hf_shape, hf_tensor
 from redline.models.gguf_tokenizer import tokenizer_config, tokenizer_json
+from redline.models.llama import LlamaForCausalLM
 from redline.models.shards import DEFAULT_SHARD_BYTES, ShardWriter
 
 __all__ = ["GGUFError", "gguf_model_dir", "import_dtype", "import_gguf", "smollm2_gguf"]
@@ -33,30 +35,11 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def _expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """Every tensor of the LlamaForCausalLM that `config` describes, with its shape."""
-    h, v, inter = config["hidden_size"], config["vocab_size"], config["intermediate_size"]
-    q, kv = (
-        config["num_attention_heads"] * config["head_dim"],
-        config["num_key_value_heads"] * config["head_dim"],
-    )
-    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
-    if not config["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (v, h)
-    for i in range(config["num_hidden_layers"]):
-        layer = {
-            "input_layernorm.weight": (h,),
-            "self_attn.q_proj.weight": (q, h),
-            "self_attn.k_proj.weight": (kv, h),
-            "self_attn.v_proj.weight": (kv, h),
-            "self_attn.o_proj.weight": (h, q),
-            "post_attention_layernorm.weight": (h,),
-            "mlp.gate_proj.weight": (inter, h),
-            "mlp.up_proj.weight": (inter, h),
-            "mlp.down_proj.weight": (h, inter),
-        }
-        if config["attention_bias"]:
-            layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
-                          "self_attn.v_proj.bias": (kv,), "self_attn.o_proj.bias": (h,)})  # fmt: skip
-        shapes.update({f"model.layers.{i}.{key}": shape for key, shape in layer.items()})
+    with torch.device("meta"):
+        model = LlamaForCausalLM(ModelConfig.from_dict(config))
+    shapes = {key: tuple(tensor.shape) for key, tensor in model.state_dict().items()}
+    if config["tie_word_embeddings"]:
+        del shapes["lm_head.weight"]
     return shapes
 
 

@@ -4,19 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
 from redline.models.gguf_reader import GGUFFile
-from redline.models.gguf_rope import llama3_rope_scaling
+from redline.models.gguf_rope import llama3_rope_scaling, shortest_float32
 from redline.models.gguf_tensors import ROPE_FREQS, dequantized
 
 SUPPORTED_ARCHITECTURES = ("llama",)
-
-
-def _float(value: float) -> float:
-    """GGUF floats are float32: 9.999999747378752e-06 is how the file spells the config's 1e-05."""
-    return float(str(np.float32(value)))
 
 
 def _int(gguf_file: GGUFFile, key: str, default: int | None = None) -> int:
@@ -66,7 +60,8 @@ def hf_config(gguf_file: GGUFFile, dtype: torch.dtype) -> dict[str, Any]:
         )
     if _int(gguf_file, "attention.value_length", head_dim) != head_dim:
         raise gguf_file.error("attention.value_length differs from attention.key_length")
-    theta = _float(gguf_file.arch_value("rope.freq_base", 10000.0))
+    # GGUF floats are float32: 9.999999747378752e-06 is how the file spells the config's 1e-05
+    theta = shortest_float32(gguf_file.arch_value("rope.freq_base", 10000.0))
     vocab = _int(gguf_file, "vocab_size", _embedding_rows(gguf_file))
     return {
         "architectures": ["LlamaForCausalLM"],
@@ -80,7 +75,7 @@ def hf_config(gguf_file: GGUFFile, dtype: torch.dtype) -> dict[str, Any]:
         "head_dim": head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": _int(gguf_file, "context_length"),
-        "rms_norm_eps": _float(gguf_file.arch_value("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rms_norm_eps": shortest_float32(gguf_file.arch_value("attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": theta,
         "rope_scaling": _rope_scaling(gguf_file, theta, head_dim),
         "attention_bias": "blk.0.attn_q.bias" in gguf_file.tensors,
@@ -102,8 +97,8 @@ def _embedding_rows(gguf_file: GGUFFile) -> int:
 
 def generation_config(gguf_file: GGUFFile) -> dict[str, Any]:
     """generation_config.json: bos, pad, and every end-of-generation id the file names (eos, eot, eom)."""
-    eos = [i for i in (gguf_file.token_id(name) for name in ("eos", "eot", "eom")) if i is not None]
-    eos = list(dict.fromkeys(eos))
+    ids = (gguf_file.token_id(name) for name in ("eos", "eot", "eom"))
+    eos = list(dict.fromkeys(i for i in ids if i is not None))
     config: dict[str, Any] = {
         "bos_token_id": gguf_file.token_id("bos"),
         "pad_token_id": gguf_file.token_id("padding"),

@@ -30,7 +30,7 @@ def llama3_factors(theta: float, head_dim: int, scaling: dict[str, float]) -> np
     return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, band))
 
 
-def _shortest(x: float) -> float:
+def shortest_float32(x: float) -> float:
     """The shortest decimal that rounds to the same float32: 8.000000476837158 -> 8.0."""
     return float(str(np.float32(x)))
 
@@ -49,7 +49,7 @@ def llama3_rope_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dic
         raise ValueError(f"has {factors.shape} rope factors for head_dim {head_dim}")
     if np.all(factors == 1.0):
         return None
-    factor = _shortest(factors.max())
+    factor = shortest_float32(factors.max())
     no_match = ValueError(f"rope factors {factors.tolist()} match no llama3 rope scaling")
     wavelen = 2 * np.pi * theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     inside = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
@@ -65,15 +65,10 @@ def llama3_rope_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dic
         original = float(wavelen[inside][0] * (_LOW_FREQ_FACTOR + s[0] * (high - _LOW_FREQ_FACTOR)))
     else:
         original, high = _FALLBACK["original_max_position_embeddings"], _FALLBACK["high_freq_factor"]
-    candidates = [
-        {
-            "original_max_position_embeddings": round(float(original)),
-            "high_freq_factor": float(round(high, 4)),
-        },
-        {"original_max_position_embeddings": float(original), "high_freq_factor": float(high)},
-    ]
-    for candidate in candidates:
-        scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": _LOW_FREQ_FACTOR, **candidate}
+    rounded = (round(float(original)), float(round(high, 4)))  # what a config would say: tried first
+    for original_max, high_freq in (rounded, (float(original), float(high))):
+        scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": _LOW_FREQ_FACTOR}
+        scaling |= {"original_max_position_embeddings": original_max, "high_freq_factor": high_freq}
         if np.allclose(llama3_factors(theta, head_dim, scaling), factors, rtol=1e-5, atol=0):
             return scaling
     raise no_match

@@ -8,40 +8,34 @@ import gguf
 import numpy as np
 import torch
 
-# llama.cpp's name -> the HF LlamaForCausalLM name; {i} is the layer number.
+# llama.cpp's name -> the HF LlamaForCausalLM name
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.bias": "self_attn.o_proj.bias",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
+_LAYER_MODULES = {  # in blk.{i}, with a .weight or a .bias
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
-_LAYER = re.compile(r"blk\.(\d+)\.(.+)")
+_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 ROPE_FREQS = "rope_freqs.weight"  # llama3 rope scaling, precomputed; it becomes config.json's rope_scaling
 
 
 def hf_name(gguf_name: str) -> str | None:
     """The HF name of a llama GGUF tensor (blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight),
     or None for a name with no HF counterpart."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
     match = _LAYER.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
-        return None
-    return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    if match is None or match[2] not in _LAYER_MODULES:
+        return _GLOBAL_NAMES.get(gguf_name)
+    return f"model.layers.{match[1]}.{_LAYER_MODULES[match[2]]}.{match[3]}"
 
 
 def permute_qk(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -52,9 +46,8 @@ def permute_qk(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
     i + head_dim/2 to 2i + 1. Example, one head of head_dim 8 (HF rows h0..h7):
         GGUF rows = h0 h4 h1 h5 h2 h6 h3 h7
     As tensor ops: view [heads, 2, head_dim/2, ...] (which half, index in half), swap the two middle axes."""
-    shape = rows.shape
-    half = shape[0] // num_heads // 2
-    return rows.reshape(num_heads, 2, half, *shape[1:]).transpose(1, 2).reshape(shape)
+    half = rows.shape[0] // num_heads // 2
+    return rows.reshape(num_heads, 2, half, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
 
 
 def unpermute_qk(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -65,9 +58,8 @@ def unpermute_qk(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
         HF rows = g0 g2 g4 g6 g1 g3 g5 g7
     As tensor ops: view [heads, head_dim/2, 2, ...] (pair index, which of the pair), swap the middle axes.
     For k_proj, num_heads is the number of KV heads."""
-    shape = rows.shape
-    half = shape[0] // num_heads // 2
-    return rows.reshape(num_heads, half, 2, *shape[1:]).transpose(1, 2).reshape(shape)
+    half = rows.shape[0] // num_heads // 2
+    return rows.reshape(num_heads, half, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
 
 
 def hf_shape(tensor: gguf.ReaderTensor) -> tuple[int, ...]:
@@ -88,10 +80,7 @@ def dequantized(tensor: gguf.ReaderTensor) -> torch.Tensor:
 
 def hf_tensor(tensor: gguf.ReaderTensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
     """dequantized(tensor), with q_proj / k_proj rows back in HF order."""
-    values = dequantized(tensor)
-    name = tensor.name.rsplit(".", 2)
-    if name[-2] == "attn_q":
-        return unpermute_qk(values, num_heads)
-    if name[-2] == "attn_k":
-        return unpermute_qk(values, num_kv_heads)
+    values, kind = dequantized(tensor), tensor.name.rsplit(".", 2)[-2]
+    if kind in ("attn_q", "attn_k"):
+        return unpermute_qk(values, num_heads if kind == "attn_q" else num_kv_heads)
     return values

@@ -19,7 +19,6 @@ from redline.models.gguf_reader import GGUFFile
 
 _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4  # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
 
-_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
     r"|\s+(?!\S)|\s+"
@@ -52,16 +51,9 @@ _DIGITS_GPT2 = PreTokenizer(
 _GPT2 = PreTokenizer((_byte_level(use_regex=True),), False, False, True)
 
 PRE_TOKENIZERS = {
-    "llama-bpe": _LLAMA3,
-    "llama3": _LLAMA3,
-    "llama-v3": _LLAMA3,
-    "smollm": _DIGITS_GPT2,
-    "starcoder": _DIGITS_GPT2,
-    "refact": _DIGITS_GPT2,
-    "codeshell": _DIGITS_GPT2,
-    "gpt-2": _GPT2,
-    "mpt": _GPT2,
-    "olmo": _GPT2,
+    **dict.fromkeys(("llama-bpe", "llama3", "llama-v3"), _LLAMA3),
+    **dict.fromkeys(("smollm", "starcoder", "refact", "codeshell"), _DIGITS_GPT2),
+    **dict.fromkeys(("gpt-2", "mpt", "olmo"), _GPT2),
 }
 
 
@@ -77,11 +69,7 @@ def _pre_tokenizer(gguf_file: GGUFFile) -> PreTokenizer:
 
 def _byte_alphabet() -> dict[int, str]:
     """GPT-2's byte -> printable character map (tokenizers' ByteLevel alphabet): b" " -> "Ġ"."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
+    printable = {*range(33, 127), *range(161, 173), *range(174, 256)}  # "!".."~", "¡".."¬", "®".."ÿ"
     extra = iter(range(256, 512))
     return {b: chr(b) if b in printable else chr(next(extra)) for b in range(256)}
 
@@ -163,27 +151,13 @@ def tokenizer_json(gguf_file: GGUFFile) -> tokenizers.Tokenizer:
         for i, (token, token_type) in enumerate(zip(tokens, types, strict=True))
         if token_type in (_CONTROL, _USER_DEFINED)
     ]  # fmt: skip
-    spec = {
+    bpe = {"type": "BPE", "ignore_merges": pre.ignore_merges, "vocab": vocab, "merges": _merges(gguf_file)}
+    spec = {  # the fields left out take tokenizers' defaults: no normalizer, truncation, unk token, dropout
         "version": "1.0",
-        "truncation": None,
-        "padding": None,
         "added_tokens": added,
-        "normalizer": None,
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": list(pre.steps)},
-        "post_processor": None,
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-        "model": {
-            "type": "BPE",
-            "dropout": None,
-            "unk_token": None,
-            "continuing_subword_prefix": None,
-            "end_of_word_suffix": None,
-            "fuse_unk": False,
-            "byte_fallback": False,
-            "ignore_merges": pre.ignore_merges,
-            "vocab": vocab,
-            "merges": _merges(gguf_file),
-        },
+        "model": bpe,
     }
     tokenizer = tokenizers.Tokenizer.from_str(json.dumps(spec))
     tokenizer.post_processor = _post_processor(gguf_file, tokens)

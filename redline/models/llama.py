@@ -51,9 +51,8 @@ class DecoderLayer(nn.Module):
         partial: torch.Tensor,  # [B, T, hidden] this rank's part of the attention output
         residual: torch.Tensor,  # [B, T, hidden]
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (normed for the MLP, the new residual)
-        """The boundary after attention as one op: all-reduce, residual add, RMSNorm. Composed today from
-        the all-reduce and the add + RMSNorm (one kernel on CUDA: layers/backends.py); a fused multi-GPU
-        kernel can replace it here without touching the rest of the model."""
+        """The boundary after attention as one op: all-reduce, residual add, RMSNorm (the add + RMSNorm one
+        kernel on CUDA: layers/backends.py), where a fused multi-GPU kernel can replace it."""
         attended = self.tp.all_reduce(partial)
         norm = self.post_attention_layernorm
         if self.add_norm is not None:
@@ -69,9 +68,8 @@ class DecoderLayer(nn.Module):
 def run_layer(
     layer: DecoderLayer, x: torch.Tensor, batch: AttentionBatch, cache: KVLayer | None
 ) -> torch.Tensor:
-    """One decoder layer. Inside torch.compile a nested compile region: dynamo traces it and inductor
-    compiles it once per kind of layer and shape, and every other layer of that kind calls the same
-    code with its own weights and cache (30 SmolLM2 layers compile as one). Eager: a plain call."""
+    """One decoder layer. Inside torch.compile a nested compile region: compiled once per kind of layer
+    and shape, and every layer of that kind calls the same code with its own weights and cache."""
     return layer(x, batch, cache)
 
 

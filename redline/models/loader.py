@@ -7,6 +7,7 @@ data is read; errors name the file and the tensor. A checkpoint tensor fills a w
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,16 +19,6 @@ from tqdm import tqdm
 from redline.models.shards import ShardWriter
 from redline.models.tensor_files import CheckpointError, checkpoint_files, open_tensor_file
 from redline.parallel.sharding import Shard
-
-__all__ = [
-    "CheckpointError",
-    "LoadHook",
-    "Part",
-    "check_checkpoint",
-    "checkpoint_files",
-    "load_weights",
-    "save_weights",
-]
 
 _MAX_LISTED = 10
 
@@ -55,11 +46,9 @@ class LoadHook(Protocol):
 
     def dtype(self, module_key: str, on_disk: torch.dtype, default: torch.dtype) -> torch.dtype:
         """The dtype a tensor is installed in; `default` is what the loader would pick."""
-        ...
 
     def loaded(self, module_key: str) -> None:
         """Called once the module tensor is complete (every Part of it installed)."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -73,13 +62,15 @@ def _is_fp8(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point and dtype.itemsize == 1
 
 
-def _target_dtype(on_disk: torch.dtype, dtype: torch.dtype, module_key: str) -> torch.dtype:
+def _target_dtype(
+    on_disk: torch.dtype, dtype: torch.dtype, module_key: str, hook: LoadHook | None
+) -> torch.dtype:
     """Floating tensors are cast to `dtype`; FP8 scales (`*_scale`; bf16 in many releases) to fp32, which
     is exact, since a bf16 scale would add 0.4% error to every weight; integer, bool and 8-bit float
-    tensors keep their dtype."""
-    if not on_disk.is_floating_point or _is_fp8(on_disk):
-        return on_disk
-    return torch.float32 if module_key.endswith("_scale") else dtype
+    tensors keep their dtype. A hook has the last word."""
+    keep = not on_disk.is_floating_point or _is_fp8(on_disk)
+    default = on_disk if keep else torch.float32 if module_key.endswith("_scale") else dtype
+    return default if hook is None else hook.dtype(module_key, on_disk, default)
 
 
 def _listing(keys: Iterable[str]) -> str:
@@ -175,14 +166,9 @@ def _rank_shape(shape: tuple[int, ...], shard: Shard | None, where: str) -> tupl
 
 
 def _check_headers(
-    model: torch.nn.Module, sources: dict[str, list[_Source]], model_dir: Path, shard_of: ShardOf | None
+    model: torch.nn.Module, by_file: dict[Path, list[_Source]], shard_of: ShardOf | None
 ) -> None:
-    """Shapes (of this rank's shard), FP8 vs high precision, and complete coverage of module tensors
-    assembled from Parts."""
-    by_file: dict[Path, list[_Source]] = {}
-    for group in sources.values():
-        for source in group:
-            by_file.setdefault(source.path, []).append(source)
+    """Shapes (of this rank's shard) and FP8 vs high precision, from the file headers."""
     for path, group in by_file.items():
         with open_tensor_file(path) as file:
             for source in group:
@@ -206,35 +192,10 @@ def _check_headers(
                         f"{target.dtype}: the checkpoint's FP8 layers differ from what config.json's "
                         "quantization_config describes"
                     )
-    for module_key, group in sources.items():
-        if group[0].part.index:
-            target = _module_tensor(model, module_key)[2]
-            covered = sum(torch.empty(target.shape, device="meta")[s.part.index].numel() for s in group)
-            if covered != target.numel():
-                raise CheckpointError(
-                    f"{model_dir}: {module_key!r} is assembled from {len(group)} checkpoint tensors "
-                    f"({_listing(s.key for s in group)}) that cover {covered} of its {target.numel()} values"
-                )
 
 
 def _index_text(i: int | slice) -> str:
-    if isinstance(i, int):
-        return str(i)
-    return f"{'' if i.start is None else i.start}:{'' if i.stop is None else i.stop}"
-
-
-def _checked_sources(
-    model: torch.nn.Module,
-    model_dir: Path,
-    rename: Rename,
-    expected: Iterable[str] | None,
-    optional: Iterable[str],
-    shard_of: ShardOf | None = None,
-) -> dict[str, list[_Source]]:
-    expected_keys = set(model.state_dict().keys() if expected is None else expected)
-    sources = _plan(checkpoint_files(model_dir), rename, expected_keys, set(optional), model_dir)
-    _check_headers(model, sources, model_dir, shard_of)
-    return sources
+    return str(i) if isinstance(i, int) else ":".join("" if v is None else str(v) for v in (i.start, i.stop))
 
 
 def check_checkpoint(
@@ -244,9 +205,27 @@ def check_checkpoint(
     rename: Rename = lambda key: key,
     expected: Iterable[str] | None = None,
     optional: Iterable[str] = (),
-) -> None:
-    """What load_weights checks before reading any data (names, shapes, FP8-ness), without loading."""
-    _checked_sources(model, Path(model_dir), rename, expected, optional)
+    shard_of: ShardOf | None = None,
+) -> dict[Path, list[_Source]]:
+    """What load_weights checks before reading any data (names, shapes, FP8-ness, and complete coverage of
+    module tensors assembled from Parts), without loading; returns the tensors to load, by file."""
+    model_dir = Path(model_dir)
+    expected_keys = set(model.state_dict().keys() if expected is None else expected)
+    sources = _plan(checkpoint_files(model_dir), rename, expected_keys, set(optional), model_dir)
+    by_file: dict[Path, list[_Source]] = {}
+    for source in (source for group in sources.values() for source in group):
+        by_file.setdefault(source.path, []).append(source)
+    _check_headers(model, by_file, shard_of)
+    for module_key, group in sources.items():
+        if group[0].part.index:
+            target = _module_tensor(model, module_key)[2]
+            covered = sum(torch.empty(target.shape, device="meta")[s.part.index].numel() for s in group)
+            if covered != target.numel():
+                raise CheckpointError(
+                    f"{model_dir}: {module_key!r} is assembled from {len(group)} checkpoint tensors "
+                    f"({_listing(s.key for s in group)}) that cover {covered} of its {target.numel()} values"
+                )
+    return by_file
 
 
 def load_weights(
@@ -267,21 +246,26 @@ def load_weights(
     Reads one file at a time and one tensor at a time. A module tensor assembled from Parts is allocated
     when its first Part arrives and filled in place. With `shard_of` (tensor parallelism) a rank reads
     only its shard of each split tensor: safetensors slices read just those bytes."""
-    sources = _checked_sources(model, Path(model_dir), rename, expected, optional, shard_of)
-    remaining = {module_key: len(group) for module_key, group in sources.items()}  # Parts still to come
-    by_file: dict[Path, list[_Source]] = {}
-    for group in sources.values():
-        for source in group:
-            by_file.setdefault(source.path, []).append(source)
-    with tqdm(total=sum(remaining.values()), desc="loading weights", disable=not progress) as bar:
+    by_file = check_checkpoint(
+        model, model_dir, rename=rename, expected=expected, optional=optional, shard_of=shard_of
+    )
+    parts = Counter(source.part.module_key for group in by_file.values() for source in group)
+    remaining = parts.copy()  # Parts still to come
+    with tqdm(total=parts.total(), desc="loading weights", disable=not progress) as bar:
         for path, group in by_file.items():
             with open_tensor_file(path) as file:
                 for source in group:
                     shard = _source_shard(source, shard_of, file.shape(source.key))
                     tensor = file.read(source.key) if shard is None else _read_shard(file, source.key, shard)
-                    _load_one(model, tensor, source, dtype, device, hook, sources, remaining)
+                    module_key = source.part.module_key
+                    first = remaining[module_key] == parts[module_key]
+                    target_dtype = _target_dtype(tensor.dtype, dtype, module_key, hook)
+                    _load_one(model, tensor, source.part, target_dtype, device, first)
+                    remaining[module_key] -= 1
+                    if remaining[module_key] == 0 and hook is not None:
+                        hook.loaded(module_key)
                     bar.update()
-    return set(sources)
+    return set(parts)
 
 
 def _take(read: Callable[[tuple[slice, ...]], torch.Tensor], shard: Shard) -> torch.Tensor:
@@ -303,32 +287,23 @@ def _read_shard(file: Any, key: str, shard: Shard) -> torch.Tensor:
 def _load_one(
     model: torch.nn.Module,
     tensor: torch.Tensor,
-    source: _Source,
+    part: Part,
     dtype: torch.dtype,
     device: torch.device | str,
-    hook: LoadHook | None,
-    sources: dict[str, list[_Source]],
-    remaining: dict[str, int],
+    first: bool,
 ) -> None:
-    module_key, part = source.part.module_key, source.part
-    target_dtype = _target_dtype(tensor.dtype, dtype, module_key)
-    if hook is not None:
-        target_dtype = hook.dtype(module_key, tensor.dtype, target_dtype)
-    current = _module_tensor(model, module_key)[2]
+    """Installs a whole module tensor, or copies a Part into its module tensor (allocated at the first)."""
+    current = _module_tensor(model, part.module_key)[2]
     if not part.index:
         # a copy even where dtype and device match: the model must own its memory, not map the file
         # (which would stay mapped, and resident, as long as any of its tensors lives)
-        value = _shaped(tensor, part, tuple(current.shape)).to(device, target_dtype, copy=True)
-        _install(model, module_key, value)
-    else:
-        if remaining[module_key] == len(sources[module_key]):  # the first Part read: allocate
-            current = torch.empty(current.shape, dtype=target_dtype, device=device)
-            _install(model, module_key, current)
-        region = current[part.index]
-        region.copy_(_shaped(tensor, part, tuple(region.shape)))
-    remaining[module_key] -= 1
-    if remaining[module_key] == 0 and hook is not None:
-        hook.loaded(module_key)
+        value = _shaped(tensor, part, tuple(current.shape)).to(device, dtype, copy=True)
+        return _install(model, part.module_key, value)
+    if first:
+        current = torch.empty(current.shape, dtype=dtype, device=device)
+        _install(model, part.module_key, current)
+    region = current[part.index]
+    region.copy_(_shaped(tensor, part, tuple(region.shape)))
 
 
 def save_weights(

@@ -5,23 +5,18 @@ or each as soon as its weights are read with `QuantizeOnLoad`)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Literal
 
 import torch
 from torch import nn
 
 from redline.layers.linear import Linear
 from redline.layers.moe import Experts
-from redline.quant.fp8 import Fp8Linear, quantize, quantize_per_expert
+from redline.quant.fp8 import Fp8Linear, Kind
 from redline.quant.fp8_experts import Fp8Experts
 from redline.quant.scheme import Fp8Scheme
 
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 HIGH_PRECISION = ["lm_head", "re:.*router$"]  # plus embeddings and norms, which are not Linear
-
-# How a weight's scales lie: "linear" [N, K] -> [N, 1]; "gate_up" (experts, x @ W) [E, H, 2I] -> [E, 1, 2I];
-# "down" [E, I, H] -> [E, H, 1] (Fp8Experts keeps the down scales as a column per expert)
-Kind = Literal["linear", "gate_up", "down"]
 
 
 def _targets(
@@ -50,14 +45,6 @@ def fp8_skeleton(
             experts, hidden, two_inter = child.gate_up_proj.shape
             fp8 = Fp8Experts(experts, hidden, two_inter // 2)
         setattr(parent, name, fp8)
-
-
-def quantize_weight(w: torch.Tensor, kind: Kind) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 values and scales of one weight, per output channel (per expert and output channel)."""
-    if kind == "linear":
-        return quantize(w)
-    q, scale = quantize_per_expert(w)  # scale [E, 1, N]
-    return (q, scale) if kind == "gate_up" else (q, scale.transpose(1, 2).contiguous())
 
 
 def _quantized(module: nn.Module, scaled_mm: bool) -> nn.Module:
@@ -93,22 +80,20 @@ class QuantizeOnLoad:
     def __init__(self, model: nn.Module, scheme: Fp8Scheme, scaled_mm: bool) -> None:
         self._scaled_mm = scaled_mm
         self._weights = quantized_weights(model, scheme)
-        self._places: dict[str, tuple[nn.Module, str]] = {}  # module name -> (parent, attribute)
-        self._pending: dict[str, set[str]] = {}  # module name -> its tensors not loaded yet
+        # module name -> (parent, attribute, the module's tensors not loaded yet)
+        self._pending: dict[str, tuple[nn.Module, str, set[str]]] = {}
         for parent, name, child, full in _targets(model, scheme):
-            self._places[full] = (parent, name)
-            self._pending[full] = {f"{full}.{key}" for key, _ in child.named_parameters()}
+            self._pending[full] = (parent, name, {f"{full}.{key}" for key, _ in child.named_parameters()})
 
     def dtype(self, module_key: str, on_disk: torch.dtype, default: torch.dtype) -> torch.dtype:
         return on_disk if module_key in self._weights and on_disk.is_floating_point else default
 
     def loaded(self, module_key: str) -> None:
         name = module_key.rpartition(".")[0]
-        pending = self._pending.get(name)
-        if pending is None:
+        if name not in self._pending:
             return
+        parent, attribute, pending = self._pending[name]
         pending.discard(module_key)
         if not pending:
-            parent, attribute = self._places.pop(name)
             del self._pending[name]
             setattr(parent, attribute, _quantized(getattr(parent, attribute), self._scaled_mm))

@@ -14,9 +14,10 @@ from __future__ import annotations
 import json
 import pickle
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -24,23 +25,12 @@ from safetensors import SafetensorError, safe_open
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
 BIN_GLOB = "pytorch_model*.bin"  # not *.bin: training_args.bin and optimizer.bin are pickles of objects
-
-
 # safetensors header dtype names (safe_open(...).get_slice(key).get_dtype())
 _SAFETENSORS_DTYPES = {
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "I32": torch.int32,
-    "I64": torch.int64,
-}
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "BF16": torch.bfloat16,
+    "F16": torch.float16, "F32": torch.float32, "F64": torch.float64, "BOOL": torch.bool,
+    "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+}  # fmt: skip
 
 
 class CheckpointError(ValueError):
@@ -56,11 +46,14 @@ class SafetensorsFile:
     def names(self) -> list[str]:
         return list(self._handle.keys())  # the safe_open handle is not iterable
 
-    def shape(self, key: str) -> tuple[int, ...]:
+    def _checked(self, what: str, key: str, read: Callable[[], Any]) -> Any:
         try:
-            return tuple(self._handle.get_slice(key).get_shape())
+            return read()
         except SafetensorError as e:
-            raise CheckpointError(f"{self.path}: cannot read header of tensor {key!r}: {e}") from e
+            raise CheckpointError(f"{self.path}: cannot read {what} of tensor {key!r}: {e}") from e
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._checked("header", key, lambda: self._handle.get_slice(key).get_shape()))
 
     def dtype(self, key: str) -> torch.dtype:
         name = self._handle.get_slice(key).get_dtype()
@@ -69,17 +62,11 @@ class SafetensorsFile:
         return _SAFETENSORS_DTYPES[name]
 
     def read(self, key: str) -> torch.Tensor:
-        try:
-            return self._handle.get_tensor(key)
-        except SafetensorError as e:
-            raise CheckpointError(f"{self.path}: cannot read data of tensor {key!r}: {e}") from e
+        return self._checked("data", key, lambda: self._handle.get_tensor(key))
 
     def read_slice(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
         """tensor[index], reading only those bytes from the file."""
-        try:
-            return self._handle.get_slice(key)[index]
-        except SafetensorError as e:
-            raise CheckpointError(f"{self.path}: cannot read data of tensor {key!r}: {e}") from e
+        return self._checked("data", key, lambda: self._handle.get_slice(key)[index])
 
 
 class TorchFile:
@@ -169,14 +156,9 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
     """Map every checkpoint key to the file holding it: the safetensors index, else *.safetensors, else
     the .bin index, else pytorch_model*.bin."""
     model_dir = Path(model_dir)
-    if (model_dir / SAFETENSORS_INDEX).exists():
-        return _read_index(model_dir / SAFETENSORS_INDEX)
-    safetensors = sorted(model_dir.glob("*.safetensors"))
-    if safetensors:
-        return _scan(safetensors)
-    if (model_dir / BIN_INDEX).exists():
-        return _read_index(model_dir / BIN_INDEX)
-    bins = sorted(model_dir.glob(BIN_GLOB))
-    if bins:
-        return _scan(bins)
+    for index, pattern in ((SAFETENSORS_INDEX, "*.safetensors"), (BIN_INDEX, BIN_GLOB)):
+        if (model_dir / index).exists():
+            return _read_index(model_dir / index)
+        if paths := sorted(model_dir.glob(pattern)):
+            return _scan(paths)
     raise CheckpointError(f"no *.safetensors or {BIN_GLOB} in {model_dir}")

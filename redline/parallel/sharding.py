@@ -3,18 +3,16 @@
 Column-parallel (each rank holds a block of output rows): q_proj, k_proj, v_proj, gate_proj, up_proj.
 Row-parallel (a block of input columns; the ranks' partial outputs are summed by one all-reduce after
 attention and one after the MLP): o_proj, down_proj. Vocabulary-parallel (a block of rows, vocab.py):
-embed_tokens, lm_head. Replicated: norms, the MoE router. Llama 4 experts are tensor-parallel the
-same way: every rank holds a block of every expert's intermediate dimension (gate and up columns of
-the fused gate_up_proj [E, H, 2I], rows of down_proj [E, I, H]), as is the shared expert; routed and
-shared outputs are summed by the MLP's all-reduce. With expert parallelism a rank holds E / N whole
-experts instead (the shared expert stays split by width), and a token's choice of another rank's
-expert weighs 0 here (layers/moe.py), so the same all-reduce adds each routed output once.
+embed_tokens, lm_head. Replicated: norms, the MoE router. Llama 4 experts, routed and shared, split the
+same way, by a block of every expert's intermediate dimension (gate and up columns of gate_up_proj
+[E, H, 2I], rows of down_proj [E, I, H]). With expert parallelism a rank holds E / N whole routed experts
+instead, and a token's choice of another rank's expert weighs 0 here (layers/moe.py), so the MLP's
+all-reduce adds each routed output once.
 
 Attention heads split with their projections: rank r holds query heads [r H/N, (r + 1) H/N). Key/value
 heads split the same way when N divides their count; with fewer KV heads than ranks (N a multiple of
-KV) each rank holds the one KV head its query heads read, so N / KV ranks share each. Example, 8 query
-heads, 2 KV heads, N = 4: rank 2 holds query heads 4, 5 and KV head 1 (query head j reads KV head
-j // 4).
+KV) each rank holds the one KV head its query heads read. Example, 8 query heads, 2 KV heads, N = 4:
+rank 2 holds query heads 4, 5 and KV head 1 (query head j reads KV head j // 4).
 """
 
 from __future__ import annotations

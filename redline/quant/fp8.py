@@ -1,22 +1,21 @@
 """FP8 (e4m3fn) weights with per-output-channel or per-tensor scales.
 
 Weights: w ~= q * scale, q = round(w / scale) in e4m3fn (|q| <= 448), scale = absmax / 448 over the
-input dimension (one per output channel: what `redline quantize` writes) or over the whole tensor (the
+input dimension (per output channel: what `redline quantize` writes) or over the whole tensor (the
 per-tensor "-FP8" releases). Activations (the _scaled_mm path): quantized per token at run time, or with
 the checkpoint's calibrated per-tensor `input_scale` (static): x ~= clamp(x / s, +-448) in e4m3 * s, as
-compressed-tensors and vLLM compute it. lm_head, embeddings, norms and the MoE router stay in high
-precision.
+compressed-tensors and vLLM compute it.
 
 Two kernels, picked at construction (`scaled_mm`):
-- torch._scaled_mm: FP8 x FP8 with fp32 accumulation (Hopper / Ada GPUs; also runs on CPU in torch
-  2.13, but as a slow reference: 11.4 ms vs 0.17 ms for the bf16 GEMM at [1, 512] x [512, 1408]);
+- torch._scaled_mm: FP8 x FP8 with fp32 accumulation (Hopper / Ada GPUs; on CPU only a slow reference);
 - dequantize: the FP8 weight cast to the activation dtype, its scale applied to the output
   (x @ (q * s)^T = (x @ q^T) * s^T per output channel); activations stay unquantized, so a static
-  `input_scale` is not used there (the product differs from the checkpoint's by the input rounding,
-  ~2^-5 relative per element).
+  `input_scale` is not used there.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +24,9 @@ from torch import nn
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 MIN_SCALE = 1e-12  # an all-zero row gets scale MIN_SCALE, not 0 (no 0/0)
+# How a weight's scales lie: "linear" [N, K] -> [N, 1]; "gate_up" (experts, x @ W) [E, H, 2I] -> [E, 1, 2I];
+# "down" [E, I, H] -> [E, H, 1] (Fp8Experts keeps the down scales as a column per expert)
+Kind = Literal["linear", "gate_up", "down"]
 
 
 def quantize(w: torch.Tensor, dim: int | None = -1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,14 +40,17 @@ def quantize(w: torch.Tensor, dim: int | None = -1) -> tuple[torch.Tensor, torch
     return (w / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-def quantize_per_expert(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [E, K, N] (x @ W) -> q [E, K, N], scale [E, 1, N]: one scale per expert and output column,
-    computed one expert at a time so the fp32 temporaries stay the size of one expert."""
+def quantize_weight(w: torch.Tensor, kind: Kind) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 values and scales of one weight, per output channel: a linear's as `quantize`; experts'
+    w [E, K, N] (x @ W) -> q [E, K, N] and a scale per expert and output column, computed one expert at a
+    time so the fp32 temporaries stay the size of one expert."""
+    if kind == "linear":
+        return quantize(w)
     q = torch.empty(w.shape, dtype=FP8, device=w.device)
-    scale = torch.empty(w.shape[0], 1, w.shape[2], dtype=torch.float32, device=w.device)
+    scale = torch.empty(w.shape[0], 1, w.shape[2], dtype=torch.float32, device=w.device)  # [E, 1, N]
     for e in range(w.shape[0]):
         q[e], scale[e] = quantize(w[e], dim=0)
-    return q, scale
+    return q, scale if kind == "gate_up" else scale.transpose(1, 2).contiguous()
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

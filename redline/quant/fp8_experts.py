@@ -1,12 +1,9 @@
 """Llama 4 experts in FP8 (e4m3fn) with per-output-channel scales (quant/fp8.py has the scheme).
 
-Prefill (`forward_grouped`) casts one expert's matrix at a time, and only for experts that received
-tokens (every expert, still one at a time, while a CUDA graph is being captured), inside the custom op
-`fp8_grouped_mm`: torch.compile sees one opaque op with a fake.
-torch._scaled_grouped_mm (CUDA sm90/sm100) is not used: it needs each expert's weight column-major
-([E, K, N] with stride 1 along K) and the checkpoint layout kept here is row-major (stride 1 along N),
-so it would need a second, transposed copy of every expert; it also quantizes activations per row and
-returns only bf16. Decode (`forward_selected`) dequantizes the few selected experts.
+Prefill (`forward_grouped`) casts one expert's matrix at a time, only for experts that received tokens,
+inside the custom op `fp8_grouped_mm` (one opaque op to torch.compile); decode (`forward_selected`)
+dequantizes the few selected experts. Not torch._scaled_grouped_mm: it needs each expert's weight
+column-major, a second copy of every expert beside the checkpoint's row-major layout.
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from redline.kernels.grouped_mm import loop_over_groups
-from redline.quant.fp8 import FP8, dequantize, quantize_per_expert
+from redline.quant.fp8 import FP8, dequantize, quantize_weight
 
 
 @torch.library.custom_op("redline::fp8_grouped_mm", mutates_args=())
@@ -61,18 +58,14 @@ class Fp8Experts(nn.Module):
         e, h, two_i = experts.gate_up_proj.shape
         with torch.device("meta"):
             layer = cls(e, h, two_i // 2)
-        # one expert at a time: the fp32 temporaries stay the size of one expert (quantize on load)
-        gate_up, gate_up_scale = quantize_per_expert(experts.gate_up_proj.detach())  # scale [E, 1, 2I]
-        down, down_scale = quantize_per_expert(experts.down_proj.detach())  # scale [E, 1, H]
-        tensors = dict(gate_up_proj=gate_up, gate_up_proj_scale=gate_up_scale, down_proj=down,
-                       down_proj_scale=down_scale.transpose(1, 2).contiguous())  # fmt: skip
-        for name, tensor in tensors.items():
-            setattr(layer, name, nn.Parameter(tensor, requires_grad=False))
+        for name, kind in (("gate_up_proj", "gate_up"), ("down_proj", "down")):
+            weight, scale = quantize_weight(getattr(experts, name).detach(), kind)
+            setattr(layer, name, nn.Parameter(weight, requires_grad=False))
+            setattr(layer, f"{name}_scale", nn.Parameter(scale, requires_grad=False))
         return layer
 
-    def forward_selected(
-        self, x: torch.Tensor, expert: torch.Tensor
-    ) -> torch.Tensor:  # [N, H], [N] -> [N, H]
+    def forward_selected(self, x: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        """Each row through its own expert: x [N, H], expert [N] -> [N, H]"""
         gate_up_w = dequantize(self.gate_up_proj[expert], self.gate_up_proj_scale[expert], x.dtype)
         down_w = dequantize(self.down_proj[expert], self.down_proj_scale[expert].transpose(-1, -2), x.dtype)
         gate, up = torch.bmm(x[:, None, :], gate_up_w).chunk(2, dim=-1)

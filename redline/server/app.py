@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,17 +21,10 @@ from starlette.exceptions import HTTPException
 
 from redline.engine.llm import LLM
 from redline.engine.request import Completion
+from redline.server import protocol
 from redline.server.engine_loop import EngineLoop, EngineUnavailable, Event, QueueFull
 from redline.server.errors import APIError, internal
 from redline.server.metrics import Metrics
-from redline.server.protocol import (
-    Parsed,
-    TokenizeChat,
-    parse_detokenize,
-    parse_json,
-    parse_request,
-    parse_tokenize,
-)
 from redline.server.responses import Choice, Responder, error_event, sse
 from redline.server.schema import openapi_schema
 from redline.tokenizer import TokenizerError
@@ -38,6 +33,7 @@ MAX_BODY_BYTES = 1 << 20
 DISCONNECT_POLL_S = 1.0
 
 log = logging.getLogger("redline.server")
+EventQueue = asyncio.Queue[tuple[Choice, Event]]  # a request's events, each with the choice it is of
 
 
 class Server:
@@ -63,11 +59,12 @@ class Server:
             return
         given = http.headers.get("authorization", "").encode()
         if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
-            raise APIError(
-                401, "missing or wrong API key (Authorization: Bearer KEY)", kind="authentication_error"
-            )
+            message = "missing or wrong API key (Authorization: Bearer KEY)"
+            raise APIError(401, message, kind="authentication_error")
 
-    async def read_body(self, http: Request) -> bytes:
+    async def read_json(self, http: Request) -> Any:
+        """The request's JSON body, once its API key is checked; a body over max_body bytes is a 413."""
+        self.check_key(http)
         declared = http.headers.get("content-length", "")
         too_big = APIError(413, f"request body over {self.max_body} bytes")
         if declared.isdigit() and int(declared) > self.max_body:
@@ -77,9 +74,9 @@ class Server:
             body += chunk
             if len(body) > self.max_body:
                 raise too_big
-        return bytes(body)
+        return protocol.parse_json(bytes(body))
 
-    def choices(self, parsed: Parsed) -> list[Choice]:
+    def choices(self, parsed: protocol.Parsed) -> list[Choice]:
         """Templates and tokenizes a parsed body into one engine request per choice (slow: run it off the
         event loop): each prompt n times, the samples of a prompt sharing a group (their prefill, through
         the prefix cache) and, with a seed, taking seed, seed + 1, ... A chat template that raises, or a
@@ -87,13 +84,10 @@ class Server:
         prompts: list[tuple[list[int], str | None]] = []
         if parsed.messages is not None:
             prompts.append((self.chat_ids(parsed.messages), None))
+        tokenizer = self.llm.tokenizer
         for prompt in parsed.prompts or []:
-            ids = self.llm.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            echo = (
-                (prompt if isinstance(prompt, str) else self.llm.tokenizer.decode(prompt))
-                if parsed.echo
-                else None
-            )
+            ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            echo = (prompt if isinstance(prompt, str) else tokenizer.decode(ids)) if parsed.echo else None
             prompts.append((ids, echo))
         choices = []
         for i, (ids, echo) in enumerate(prompts):
@@ -106,9 +100,8 @@ class Server:
                 try:
                     request = self.llm.make_request(ids, dataclasses.replace(params, seed=seed), group)
                 except ValueError as e:
-                    raise APIError(
-                        400, str(e), "max_tokens" if "context window" in str(e) else "prompt"
-                    ) from e
+                    param = "max_tokens" if "context window" in str(e) else "prompt"
+                    raise APIError(400, str(e), param) from e
                 choices.append(Choice(i * parsed.n + j, request, echo))
         return choices
 
@@ -121,25 +114,22 @@ class Server:
         except Exception as e:  # templates are code: they may fail in plain Python on odd messages
             raise APIError(400, f"messages: chat template error: {type(e).__name__}: {e}", "messages") from e
 
-    def submit(self, choices: list[Choice]) -> asyncio.Queue[tuple[Choice, Event]]:
+    def submit(self, choices: list[Choice]) -> EventQueue:
         """Queues every choice's request; their events arrive on one queue. If one is refused (a full
         queue), those already queued are cancelled."""
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        loop, events = asyncio.get_running_loop(), EventQueue()
 
-        def consumer(choice: Choice):
-            def consume(event: Event) -> None:  # on the engine thread
-                if event.completion is not None:
-                    self.metrics.observe(event.completion)
-                loop.call_soon_threadsafe(events.put_nowait, (choice, event))
-
-            return consume
+        def consume(choice: Choice, event: Event) -> None:  # on the engine thread
+            if event.completion is not None:
+                self.metrics.observe(event.completion)
+            loop.call_soon_threadsafe(events.put_nowait, (choice, event))
 
         if len(choices) > self.engine.max_queue:  # it would be refused however long it waited
             raise APIError(400, f"{len(choices)} choices (prompts x n) exceed the server's queue of "
                            f"{self.engine.max_queue} requests", "n")  # fmt: skip
         for k, choice in enumerate(choices):
             try:
-                self.engine.submit(choice.request, consumer(choice))
+                self.engine.submit(choice.request, functools.partial(consume, choice))
             except (QueueFull, EngineUnavailable) as e:
                 self.cancel(choices[:k])
                 if isinstance(e, EngineUnavailable):
@@ -159,9 +149,8 @@ def unavailable(problem: str) -> APIError:
 
 
 async def sse_events(
-    events: asyncio.Queue[tuple[Choice, Event]], responder: Responder, choices: list[Choice],
-    include_usage: bool,
-) -> AsyncIterator[str]:  # fmt: skip
+    events: EventQueue, responder: Responder, choices: list[Choice], include_usage: bool
+) -> AsyncIterator[str]:
     """The server-sent events of every choice up to the last (without [DONE]); a failed request ends
     with an OpenAI-style error event. With echo, a choice's first chunk is its prompt."""
     if responder.chat:
@@ -174,9 +163,9 @@ async def sse_events(
             yield error_event(event.error)
             return
         if choice.echo is not None and not choice.started:
-            prompt = choice.request.prompt_ids
             asked = choice.request.params.logprobs is not None  # (max_tokens 0 computes them regardless)
             entries = event.prompt_logprobs if asked else None
+            prompt = choice.request.prompt_ids
             logprobs = None if entries is None else responder.logprobs(choice, prompt, entries)
             yield responder.chunk(choice, choice.echo, logprobs)
         choice.started = True
@@ -186,9 +175,7 @@ async def sse_events(
             yield responder.chunk(choice, event.text, logprobs)
         if event.completion is not None:
             completions[choice.index] = event.completion
-            yield responder.chunk(
-                choice, None if responder.chat else "", finish_reason=event.completion.finish_reason
-            )
+            yield responder.chunk(choice, None, finish_reason=event.completion.finish_reason)
     if include_usage:
         yield responder.usage_chunk(choices, [completions[c.index] for c in choices])
 
@@ -214,31 +201,23 @@ def create_app(server: Server, start_engine: bool = True) -> FastAPI:
         max_model_len=server.llm.max_seq_len,
         vocab_size=server.llm.model_config.vocab_size,
     )
-    for error, handler in ERROR_HANDLERS.items():
-        app.add_exception_handler(error, handler)
+    for error in (APIError, HTTPException, RequestValidationError, Exception):
+        app.add_exception_handler(error, _error_response)
     app.include_router(routes)
     return app
 
 
-async def _api_error(_: Request, e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), e.status, headers=e.headers)
+async def _error_response(_: Request, e: Exception) -> JSONResponse:
+    """Every error as OpenAI-style JSON; any other exception is a bug outside generate(): a 500 (Starlette
+    re-raises it, and uvicorn logs it)."""
+    if isinstance(e, HTTPException):
+        e = APIError(e.status_code, str(e.detail), headers=e.headers)
+    elif isinstance(e, RequestValidationError):
+        e = APIError(400, str(e))
+    error = e if isinstance(e, APIError) else internal(e)
+    return JSONResponse(error.body(), error.status, headers=error.headers)
 
 
-async def _http_error(_: Request, e: HTTPException) -> JSONResponse:
-    return JSONResponse(APIError(e.status_code, str(e.detail)).body(), e.status_code, headers=e.headers)
-
-
-async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-    return JSONResponse(APIError(400, str(e)).body(), 400)
-
-
-async def _unexpected_error(_: Request, e: Exception) -> JSONResponse:
-    """A 500 JSON error for a bug outside generate(); Starlette re-raises it, and uvicorn logs it."""
-    return JSONResponse(internal(e).body(), 500)
-
-
-ERROR_HANDLERS = {APIError: _api_error, HTTPException: _http_error, RequestValidationError: _validation_error,
-                  Exception: _unexpected_error}  # fmt: skip
 routes = APIRouter()
 
 
@@ -274,9 +253,8 @@ async def models(http: Request) -> dict:
 async def tokenize(http: Request) -> dict:
     """vLLM's /tokenize: a prompt's (or chat's) token ids, their count and the context window."""
     server = _server(http)
-    server.check_key(http)
-    parsed = parse_tokenize(parse_json(await server.read_body(http)), server.model_name)
-    if isinstance(parsed, TokenizeChat):
+    parsed = protocol.parse_tokenize(await server.read_json(http), server.model_name)
+    if isinstance(parsed, protocol.TokenizeChat):
         messages = [m.text() for m in parsed.messages]
         ids = await asyncio.to_thread(server.chat_ids, messages, parsed.add_generation_prompt is not False)
     else:
@@ -289,9 +267,8 @@ async def tokenize(http: Request) -> dict:
 async def detokenize(http: Request) -> dict:
     """vLLM's /detokenize: token ids back to text."""
     server = _server(http)
-    server.check_key(http)
-    data = parse_json(await server.read_body(http))
-    tokens = parse_detokenize(data, server.model_name, server.llm.model_config.vocab_size)
+    data = await server.read_json(http)
+    tokens = protocol.parse_detokenize(data, server.model_name, server.llm.model_config.vocab_size)
     return {"prompt": server.llm.tokenizer.decode(tokens)}
 
 
@@ -306,8 +283,19 @@ async def chat_completions(http: Request) -> Response:
 
 
 async def _generate(http: Request, chat: bool) -> Response:
+    server = _server(http)
+    llm, name = server.llm, server.model_name
     try:
-        return await _respond(_server(http), http, chat)
+        data = await server.read_json(http)
+        parsed = protocol.parse_request(data, chat, name, llm.max_seq_len, llm.model_config.vocab_size)
+        choices = await asyncio.to_thread(server.choices, parsed)
+        events = server.submit(choices)
+        responder = Responder(chat, name, llm.tokenizer)
+        if parsed.stream:
+            stream = _stream(server, choices, events, responder, parsed.include_usage)
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+        return JSONResponse(responder.full(choices, await _collect(server, http, choices, events)))
     except APIError:
         raise
     except Exception as e:  # a bug: logged here, the client gets a 500 JSON error
@@ -315,25 +303,8 @@ async def _generate(http: Request, chat: bool) -> Response:
         raise internal(e) from e
 
 
-async def _respond(server: Server, http: Request, chat: bool) -> Response:
-    server.check_key(http)
-    data = parse_json(await server.read_body(http))
-    llm = server.llm
-    parsed = parse_request(data, chat, server.model_name, llm.max_seq_len, llm.model_config.vocab_size)
-    choices = await asyncio.to_thread(server.choices, parsed)
-    events = server.submit(choices)
-    responder = Responder(chat, server.model_name, llm.tokenizer)
-    if parsed.stream:
-        return StreamingResponse(
-            _stream(server, choices, events, responder, parsed.include_usage), media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )  # fmt: skip
-    completions = await _collect(server, http, choices, events)
-    return JSONResponse(responder.full(choices, completions))
-
-
 async def _collect(
-    server: Server, http: Request, choices: list[Choice], events: asyncio.Queue[tuple[Choice, Event]]
+    server: Server, http: Request, choices: list[Choice], events: EventQueue
 ) -> list[Completion]:
     """Every choice's completion, in choice order; a failed one fails the response (500)."""
     done: dict[int, Completion] = {}
@@ -355,9 +326,8 @@ async def _collect(
 
 
 async def _stream(
-    server: Server, choices: list[Choice], events: asyncio.Queue[tuple[Choice, Event]], responder: Responder,
-    include_usage: bool,
-) -> AsyncIterator[str]:  # fmt: skip
+    server: Server, choices: list[Choice], events: EventQueue, responder: Responder, include_usage: bool
+) -> AsyncIterator[str]:
     try:
         async for piece in sse_events(events, responder, choices, include_usage):
             yield piece

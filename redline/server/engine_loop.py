@@ -2,8 +2,8 @@
 hands each request's new text to its consumer. The HTTP side never touches the model.
 
 `redline serve` runs the loop on the main thread (run()) and uvicorn on another: torch's CPU thread
-pool is slow outside the main thread (the demo pair decodes at ~40 instead of ~90 tokens/s with 2
-intra-op threads from a second thread). Tests use start(), a background thread.
+pool is slow outside the main thread (BENCHMARKS.md, "Server: the demo pair under concurrent streaming
+clients"). Tests use start(), a background thread.
 
 Consumers are callables run on the engine thread with an Event; the server wraps an asyncio queue
 (loop.call_soon_threadsafe), so handlers simply await their events.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from redline.engine.core import EngineStats
@@ -58,7 +58,7 @@ class EngineLoop:
         self._consumers: dict[Request, Consumer] = {}
         self._sent: dict[Request, int] = {}  # log-probabilities already delivered, per request
         self._queued: set[Request] = set()  # in the scheduler, not yet in a slot or finished
-        self._pending = 0  # submitted, not yet in a slot or finished
+        self.queue_depth = 0  # requests submitted, not yet in a slot or finished (written under _lock)
         self._lock = threading.Lock()
         self._on_step = on_step
         self._stop = threading.Event()
@@ -88,11 +88,6 @@ class EngineLoop:
             return f"the device is unusable: {self.llm.engine.unusable}"
         return self._ended
 
-    @property
-    def queue_depth(self) -> int:
-        """Requests waiting for a slot."""
-        return self._pending
-
     def stats(self) -> EngineStats:
         """The engine's counts, a snapshot (the gauges read it on the engine thread after each step)."""
         return self.llm.engine.stats()
@@ -103,9 +98,9 @@ class EngineLoop:
             refusal = self._refusal()
             if refusal is not None:
                 raise EngineUnavailable(refusal)
-            if self._pending >= self.max_queue:
+            if self.queue_depth >= self.max_queue:
                 raise QueueFull
-            self._pending += 1
+            self.queue_depth += 1
             self._inbox.put(("add", request, consumer))
 
     def cancel(self, request: Request) -> None:
@@ -129,8 +124,7 @@ class EngineLoop:
             self._close(reason)
 
     def _iterate(self) -> None:
-        """Takes in new requests and cancellations, runs one step, and delivers its events (after counting
-        the queue, so a client answered can submit again at once)."""
+        """Takes in new requests and cancellations, runs one step, and delivers its events."""
         engine = self.llm.engine
         self._drain(block=not engine.has_work)
         events: Events = []
@@ -140,29 +134,27 @@ class EngineLoop:
             except Exception as e:  # not a request's failure (the scheduler handles those): fail them all
                 log.exception("engine step failed")
                 events = self._fail_all(f"internal error in the engine step: {type(e).__name__}: {e}")
-        self._settle_queue()
-        for request, text in events:
-            self._deliver(request, text)
+        self._deliver_all(events)
         engine.check_ranks()  # a tensor-parallel rank that died ends the loop: the server exits
         if self._on_step:
             self._on_step(self)
 
     def _drain(self, block: bool) -> None:
-        try:
-            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            kind, request, consumer = item
+        for kind, request, consumer in self._inbox_items(block):
             if kind == "add" and consumer is not None:
                 self._add(request, consumer)
             elif kind == "cancel" and request in self._consumers:
                 self.llm.engine.cancel(request)
                 self._deliver(request, "")
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+
+    def _inbox_items(self, block: bool = False) -> Iterator[tuple[str, Request, Consumer | None]]:
+        """Everything in the inbox; with block, waiting up to 0.5 s for the first item."""
+        try:
+            yield self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            while True:
+                yield self._inbox.get_nowait()
+        except queue.Empty:
+            return
 
     def _add(self, request: Request, consumer: Consumer) -> None:
         self._consumers[request] = consumer
@@ -178,7 +170,13 @@ class EngineLoop:
         left = {r for r in self._queued if r.slot is not None or r.finished}
         self._queued -= left
         with self._lock:
-            self._pending -= len(left)
+            self.queue_depth -= len(left)
+
+    def _deliver_all(self, events: Events) -> None:
+        """Delivers a step's events, after counting the queue (a client answered can submit again at once)."""
+        self._settle_queue()
+        for request, text in events:
+            self._deliver(request, text)
 
     def _deliver(self, request: Request, text: str) -> None:
         consumer = self._consumers.get(request)
@@ -217,16 +215,9 @@ class EngineLoop:
         """The loop ends: submit() refuses from now on, and every request submitted so far fails."""
         with self._lock:
             self._ended = reason
-        while True:
-            try:
-                kind, request, consumer = self._inbox.get_nowait()
-            except queue.Empty:
-                break
+        for kind, request, consumer in self._inbox_items():
             if kind == "add" and consumer is not None:
                 self._consumers[request] = consumer
                 self._queued.add(request)
-        events = self._fail_all(reason)
-        self._settle_queue()
-        for request, text in events:
-            self._deliver(request, text)
+        self._deliver_all(self._fail_all(reason))
         self.llm.engine.release()

@@ -4,22 +4,15 @@ from __future__ import annotations
 
 
 class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        kind: str = "invalid_request_error",
-        headers: dict[str, str] | None = None,
-    ):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None):  # fmt: skip
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
         self.headers = headers or {}
 
     def body(self) -> dict:
-        return {
-            "error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}
-        }
+        error = {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}
+        return {"error": error}
 
 
 def invalid(param: str, message: str) -> APIError:

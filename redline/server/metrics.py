@@ -17,31 +17,21 @@ ACCEPTANCE_BUCKETS = (1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 9)
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        histogram = lambda name, doc, buckets: Histogram(name, doc, buckets=buckets, registry=r)
-        self.ttft = histogram(
-            "redline_time_to_first_token_seconds", "Arrival to first token", LATENCY_BUCKETS
-        )
-        self.itl = histogram(
-            "redline_inter_token_latency_seconds", "Mean gap between tokens", LATENCY_BUCKETS
-        )
-        self.tps = histogram(
-            "redline_tokens_per_second_per_user", "Decode tokens/s of a request", RATE_BUCKETS
-        )
-        self.acceptance = histogram("redline_acceptance_length", "Tokens per step", ACCEPTANCE_BUCKETS)
-        self.queue_depth = Gauge("redline_queue_depth", "Requests waiting for a slot", registry=r)
-        self.slots_in_use = Gauge("redline_slots_in_use", "Slots holding a request", registry=r)
-        self.requests = Counter("redline_requests", "Finished requests by outcome", ["outcome"], registry=r)
-        self.prompt_tokens = Counter("redline_prompt_tokens", "Prompt tokens processed", registry=r)
-        self.generated_tokens = Counter("redline_generated_tokens", "Tokens generated", registry=r)
-        self.prefix_queries = Counter(
-            "redline_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r
-        )
-        self.prefix_hits = Counter(
-            "redline_prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r
-        )
-        self.prefix_evictions = Counter(
-            "redline_prefix_cache_evictions", "Cached KV blocks evicted for room", registry=r
-        )
+        at = {"namespace": "redline", "registry": r}  # every name starts with redline_
+        histogram = lambda name, doc, buckets: Histogram(name, doc, buckets=buckets, **at)
+        counter = lambda name, doc, *labels: Counter(name, doc, labels, **at)
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token", LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Mean gap between tokens", LATENCY_BUCKETS)
+        self.tps = histogram("tokens_per_second_per_user", "Decode tokens/s of a request", RATE_BUCKETS)
+        self.acceptance = histogram("acceptance_length", "Tokens per step", ACCEPTANCE_BUCKETS)
+        self.queue_depth = Gauge("queue_depth", "Requests waiting for a slot", **at)
+        self.slots_in_use = Gauge("slots_in_use", "Slots holding a request", **at)
+        self.requests = counter("requests", "Finished requests by outcome", "outcome")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed")
+        self.generated_tokens = counter("generated_tokens", "Tokens generated")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.prefix_evictions = counter("prefix_cache_evictions", "Cached KV blocks evicted for room")
         self._prefix_seen = PrefixStats()
 
     def count_prefix_cache(self, stats: PrefixStats) -> None:

@@ -55,15 +55,11 @@ class Responder:
         self.chat, self.model, self.tokenizer = chat, model, tokenizer
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
-        return {
-            "id": self.id,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}  # fmt: skip
 
     def _text(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)
@@ -71,17 +67,10 @@ class Responder:
     def logprobs(self, choice: Choice, tokens: list[int], entries: list[TokenLogprob | None]) -> dict:
         """The logprobs object of `tokens` (entries aligned with them; None: a prompt's first token)."""
         if self.chat:
-
-            def item(token: int, logprob: float) -> dict:
-                return {"token": self._text(token), "logprob": logprob,
-                        "bytes": list(self.tokenizer.token_bytes(token))}  # fmt: skip
-
-            content = [
-                item(e.token, e.logprob) | {"top_logprobs": [item(t, lp) for t, lp in e.top]}
-                for e in entries
-                if e is not None
-            ]
-            return {"content": content}
+            item = lambda token, logprob: {"token": self._text(token), "logprob": logprob,
+                                           "bytes": list(self.tokenizer.token_bytes(token))}  # fmt: skip
+            return {"content": [item(e.token, e.logprob) | {"top_logprobs": [item(t, lp) for t, lp in e.top]}
+                                for e in entries if e is not None]}  # fmt: skip
         offsets = []
         for token in tokens:
             offsets.append(choice.offset)
@@ -111,34 +100,18 @@ class Responder:
         obj = "chat.completion" if self.chat else "text_completion"
         return self._envelope(obj, bodies) | {"usage": usage(completions, choices)}
 
-    def chunk(
-        self,
-        choice: Choice,
-        text: str | None,
-        logprobs: dict | None = None,
-        finish_reason: str | None = None,
-        role: bool = False,
-    ) -> str:
+    def chunk(self, choice: Choice, text: str | None, logprobs: dict | None = None,
+              finish_reason: str | None = None, role: bool = False) -> str:  # fmt: skip
         if self.chat:
             delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
-            body = {
-                "index": choice.index,
-                "delta": delta,
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }
-            return sse(self._envelope("chat.completion.chunk", [body]))
-        body = {
-            "index": choice.index,
-            "text": text or "",
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-        }
-        return sse(self._envelope("text_completion", [body]))
+            content: dict = {"delta": delta}
+        else:
+            content = {"text": text or ""}
+        body = {"index": choice.index, **content, "logprobs": logprobs, "finish_reason": finish_reason}
+        return sse(self._envelope(self.chunk_object, [body]))
 
     def usage_chunk(self, choices: list[Choice], completions: list[Completion]) -> str:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return sse(self._envelope(obj, []) | {"usage": usage(completions, choices)})
+        return sse(self._envelope(self.chunk_object, []) | {"usage": usage(completions, choices)})
 
 
 def sse(body: dict) -> str:

@@ -12,21 +12,14 @@ from pydantic import BaseModel, ConfigDict, RootModel
 from pydantic.json_schema import models_json_schema
 
 from redline import __version__
-from redline.server.protocol import (
-    TOKEN_ID,
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeChat,
-    TokenizePrompt,
-)
+from redline.server import protocol
 
 
 class Reply(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-class TokenizeRequest(RootModel[TokenizePrompt | TokenizeChat]):
+class TokenizeRequest(RootModel[protocol.TokenizePrompt | protocol.TokenizeChat]):
     """POST /tokenize (as vLLM): a prompt, or chat messages rendered with the chat template."""
 
 
@@ -63,28 +56,22 @@ class CompletionChoice(Reply):
     finish_reason: str | None
 
 
-class Completion(Reply):
+class Envelope(Reply):
     id: str
-    object: Literal["text_completion"]
     created: int
     model: str
+
+
+class Completion(Envelope):
+    object: Literal["text_completion"]
     choices: list[CompletionChoice]
     usage: Usage
 
 
-class CompletionChunkChoice(CompletionChoice):
-    text: str
-
-
-class CompletionChunk(Reply):
+class CompletionChunk(Completion):
     """One server-sent event of a streamed text completion (the last, with include_usage: the usage)."""
 
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: list[CompletionChunkChoice]
-    usage: Usage | None = None
+    usage: Usage | None = None  # type: ignore[assignment]
 
 
 class TopLogprob(Reply):
@@ -113,11 +100,8 @@ class ChatChoice(Reply):
     finish_reason: str | None
 
 
-class ChatCompletion(Reply):
-    id: str
+class ChatCompletion(Envelope):
     object: Literal["chat.completion"]
-    created: int
-    model: str
     choices: list[ChatChoice]
     usage: Usage
 
@@ -134,13 +118,10 @@ class ChatChunkChoice(Reply):
     finish_reason: str | None
 
 
-class ChatCompletionChunk(Reply):
+class ChatCompletionChunk(Envelope):
     """One server-sent event of a streamed chat completion."""
 
-    id: str
     object: Literal["chat.completion.chunk"]
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 
@@ -178,13 +159,14 @@ ERRORS = {400: "invalid request", 401: "missing or wrong API key", 404: "unknown
 Model = type[BaseModel] | None
 # path, method, summary, request body, 200's body, its server-sent event (stream: true), error statuses
 OPERATIONS: list[tuple[str, str, str, Model, Model, Model, tuple[int, ...]]] = [
-    ("/v1/completions", "post", "Text completion", CompletionRequest, Completion, CompletionChunk,
+    ("/v1/completions", "post", "Text completion", protocol.CompletionRequest, Completion, CompletionChunk,
      tuple(ERRORS)),
-    ("/v1/chat/completions", "post", "Chat completion", ChatCompletionRequest, ChatCompletion,
+    ("/v1/chat/completions", "post", "Chat completion", protocol.ChatCompletionRequest, ChatCompletion,
      ChatCompletionChunk, tuple(ERRORS)),
     ("/tokenize", "post", "Token ids of a prompt or chat", TokenizeRequest, TokenizeResponse, None,
      tuple(ERRORS)),
-    ("/detokenize", "post", "Text of token ids", DetokenizeRequest, DetokenizeResponse, None, tuple(ERRORS)),
+    ("/detokenize", "post", "Text of token ids", protocol.DetokenizeRequest, DetokenizeResponse, None,
+     tuple(ERRORS)),
     ("/v1/models", "get", "The served model", None, ModelList, None, (401, 500)),
     ("/health", "get", "Engine health", None, Health, None, (500, 503)),
     ("/metrics", "get", "Prometheus metrics (text/plain)", None, None, None, (500,)),
@@ -221,7 +203,7 @@ def _bound(node: Any, model: str | None, max_model_len: int | None, vocab_size: 
         for option in properties.get(key, {}).get("anyOf", []) if max_model_len is not None else []:
             if option.get("type") == "integer":
                 option["maximum"] = max_model_len
-    if vocab_size is not None and node.get("description") == TOKEN_ID:
+    if vocab_size is not None and node.get("description") == protocol.TOKEN_ID:
         node["maximum"] = vocab_size - 1
     for value in node.values():
         _bound(value, model, max_model_len, vocab_size)

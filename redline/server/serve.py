@@ -3,10 +3,8 @@
 The engine loop runs on the main thread and uvicorn on another. Ctrl-C or SIGTERM exits 0; if the engine
 loop dies, or the HTTP server ends by itself, the process exits 1 instead of serving nothing.
 
-The mode (--mode, an engine option: engine_config.py) sets the defaults: min-latency 4 slots, speculation
-whenever a draft is given, every prompt prefilled whole (batch-1 latency first); max-throughput 256 slots
-(as many running as the KV pool holds) and prefill in forwards of 2,048 tokens, so running streams keep
-decoding while a long prompt arrives. --no-speculation serves without the draft (an A/B switch).
+The mode (--mode, an engine option: engine_config.py) sets the slots and prefill defaults;
+--no-speculation serves without the draft (an A/B switch).
 """
 
 from __future__ import annotations
@@ -17,6 +15,7 @@ import logging
 import os
 import signal
 import threading
+from pathlib import Path
 
 from redline.engine_config import EngineConfig
 from redline.engine_flags import add_engine_args, config_from_args
@@ -26,8 +25,6 @@ def served_name(model: str) -> str:
     """The model id clients send by default: a directory's name, a .gguf file's stem, a hub id itself
     (as vLLM serves it). "ckpt/llama-8b" (a directory) -> "llama-8b"; "meta-llama/Llama-3.1-8B" (no such
     directory) -> "meta-llama/Llama-3.1-8B"."""
-    from pathlib import Path
-
     path = Path(model).expanduser()  # as hub.resolve reads it
     if not path.exists():
         return model
@@ -121,8 +118,7 @@ def add_parser(sub) -> None:
     http.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
     http.add_argument("--host", default="127.0.0.1")
     http.add_argument("--port", type=int, default=8000)
-    help = "require Authorization: Bearer KEY (or REDLINE_API_KEY)"
-    http.add_argument("--api-key", default=None, help=help)
+    http.add_argument("--api-key", help="require Authorization: Bearer KEY (or REDLINE_API_KEY)")
     help = "model id clients send (default: the directory's name, a hub id itself)"
-    http.add_argument("--served-model-name", default=None, help=help)
+    http.add_argument("--served-model-name", help=help)
     s.set_defaults(func=serve)

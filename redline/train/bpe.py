@@ -6,13 +6,9 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-SPECIAL_TOKENS = [
-    "<|begin_of_text|>",
-    "<|end_of_text|>",
-    "<|start_header_id|>",
-    "<|end_header_id|>",
-    "<|eot_id|>",
-]
+BOS_TOKEN = "<|begin_of_text|>"
+EOS_TOKEN = "<|eot_id|>"
+SPECIAL_TOKENS = [BOS_TOKEN, "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", EOS_TOKEN]
 
 LLAMA3_CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -26,8 +22,6 @@ LLAMA3_CHAT_TEMPLATE = (
     "{% endif %}"
 )
 
-BOS_TOKEN = "<|begin_of_text|>"
-EOS_TOKEN = "<|eot_id|>"
 MODEL_MAX_LENGTH = 131072
 
 
@@ -43,11 +37,10 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Pa
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
-    bos_id = tokenizer.token_to_id(BOS_TOKEN)
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{BOS_TOKEN} $A",
         pair=f"{BOS_TOKEN} $A {BOS_TOKEN}:1 $B:1",
-        special_tokens=[(BOS_TOKEN, bos_id)],
+        special_tokens=[(BOS_TOKEN, tokenizer.token_to_id(BOS_TOKEN))],
     )
 
     out_path = Path(out_dir)

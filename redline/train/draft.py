@@ -1,18 +1,16 @@
 """`redline train-draft`: an EAGLE-3 draft for any supported target.
 
-1. Prompts: the first user turn of each ShareGPT training conversation rendered with the target's chat
-   template (`data="sharegpt"`), or windows cut from local text (JSONL, a file or a directory; by
-   default the standard library's source). The target answers them itself (regenerate.py), through
-   redline's engine with many slots; answers are saved as they finish (OUT/samples.pt).
-2. The target's aux and final hidden states on those sequences are computed once and saved with them
-   as one packed stream (features.py, OUT/draft_data.pt). The draft vocabulary is the `draft_vocab`
-   most frequent response tokens; the target's distribution over it is recomputed per batch from the
-   final hidden states (its lm_head rows are fixed).
+1. Prompts: the first user turn of ShareGPT training conversations in the target's chat template, or
+   windows cut from local text (default: the standard library's source). The target answers them
+   itself through redline's engine (regenerate.py); answers are saved as they finish (OUT/samples.pt).
+2. The target's aux and final hidden states on those sequences, packed with them into one stream
+   (features.py, OUT/draft_data.pt); the target's distribution over the draft vocabulary is recomputed
+   per batch from the final hidden states.
 3. Training-time test (ttt.py) on random windows of the stream, bf16 autocast where bf16 is fast
    (precision.py), AdamW with warm-up, cosine decay, clipping and checkpoints (loop.py).
 4. The result is saved in the published EAGLE-3 layout (`midlayer.*`, LlamaForCausalLMEagle3).
 
-With `budget_minutes` the number of answers and of training steps are sized to the time (budget.py).
+With `budget_minutes` the number of answers and of training steps are sized to the time (budget.py);
 `resume=True` continues whatever stage an interrupted run reached in OUT.
 """
 
@@ -37,7 +35,7 @@ from redline.tokenizer import Tokenizer
 from redline.train import data
 from redline.train.budget import Plan, plan_training, regen_deadline
 from redline.train.features import DraftData, Sample, extract
-from redline.train.loop import Schedule, StepLoss, train
+from redline.train.loop import Schedule, StepLoss, save_atomically, train
 from redline.train.precision import autocast, compute_dtype
 from redline.train.random_init import normal_init
 from redline.train.regenerate import chat_prompts, regenerate
@@ -49,9 +47,8 @@ STAGES = ("samples.pt", "draft_data.pt", "plan.json", "checkpoint.pt")  # what e
 
 @dataclass(frozen=True)
 class DraftRecipe:
-    """The demo's recipe (redline/demo.py), measured on a 2-core CPU: with --budget-minutes the same
-    recipe runs longer. ttt_steps 3 is what K = 3 uses; prompts of at most 128 tokens keep the answers'
-    KV short, which made the target answer 1.4x faster at 64 slots (notes in BENCHMARKS.md)."""
+    """The demo's recipe (redline/demo.py); --budget-minutes runs it longer. ttt_steps 3 is what K = 3
+    uses; prompts of at most 128 tokens keep the answers' KV short, so the target answers faster."""
 
     draft_vocab: int = 4096
     intermediate_size: int | None = None  # None: the target's
@@ -101,20 +98,15 @@ def answer_prompts(
     prompts, sources, chat = source_prompts(source, tokenizer, recipe)
     if budget_s is None:
         prompts = prompts[: recipe.num_prompts]
-    longest = max(map(len, prompts))
     llm = LLM(target_dir, dtype=compute_dtype(), max_num_seqs=recipe.regen_batch,
-              max_model_len=longest + recipe.gen_len + 8, compile=False)  # fmt: skip
+              max_model_len=max(map(len, prompts)) + recipe.gen_len + 8, compile=False)  # fmt: skip
     done = {i: Sample(tokens, prompt_len) for i, (tokens, prompt_len) in saved["samples"].items()}
     start = time.perf_counter()
     deadline = None if budget_s is None else regen_deadline(budget_s, saved["seconds"], start)
 
-    def params(i: int) -> SamplingParams:  # text windows have no end: they run to gen_len
-        return SamplingParams(
-            max_tokens=recipe.gen_len,
-            temperature=recipe.temperature,
-            seed=recipe.seed + i,
-            ignore_eos=not chat,
-        )
+    params = lambda i: SamplingParams(  # text windows have no end: they run to gen_len
+        max_tokens=recipe.gen_len, temperature=recipe.temperature, seed=recipe.seed + i, ignore_eos=not chat
+    )
 
     def save() -> None:
         state = {
@@ -122,8 +114,7 @@ def answer_prompts(
             "seconds": saved["seconds"] + time.perf_counter() - start,
             "sources": sources,
         }
-        torch.save(state, path.with_suffix(".tmp"))
-        path.with_suffix(".tmp").replace(path)
+        save_atomically(state, path)
 
     regenerate(llm, prompts, params, done, deadline, save)
     order = sorted(done)
@@ -158,8 +149,8 @@ def seconds_per_step(draft: Eagle3Draft, step_loss: StepLoss, repeats: int = 2) 
         step_loss(step)[0].backward()
         times.append(time.perf_counter() - start)
     draft.zero_grad(set_to_none=True)
-    # the optimizer step, and steps slow down as the run goes on: a 45-minute run measured 0.72 s and
-    # ran at 0.81 s a step (BENCHMARKS.md)
+    # + 15% for the optimizer step, and for steps slowing down as a run goes on (BENCHMARKS.md, "The
+    # demo's first run and its draft")
     return min(times[1:]) * 1.15
 
 
@@ -223,6 +214,7 @@ def train_draft(
     log = train(draft, step_loss, schedule, checkpoint, checkpoint.is_file(), "train-draft", stop_after)
     save_draft(draft, out)
     tail = log[-20:]
+    mean = lambda key: sum(e[key] for e in tail) / max(1, len(tail))
     summary = {
         "recipe": asdict(recipe),
         "data": str(data_source or "standard library"),
@@ -231,12 +223,8 @@ def train_draft(
         "tokens": len(features.tokens),
         "scored_tokens": int(features.scored.sum()),
         "steps_done": len(log),
-        "final_loss": sum(e["loss"] for e in tail) / max(1, len(tail)),
-        **{
-            k: sum(e[k] for e in tail) / max(1, len(tail))
-            for k in (tail[0] if tail else {})
-            if k.startswith("acc")
-        },
+        "final_loss": mean("loss"),
+        **{k: mean(k) for k in (tail[0] if tail else {}) if k.startswith("acc")},
     }
     (out / "train_log.json").write_text(json.dumps({"summary": summary, "sources": used, "log": log}))
     return summary

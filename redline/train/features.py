@@ -15,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from redline.models.llama import LlamaForCausalLM
+from redline.train.loop import save_atomically
 
 
 @dataclass(frozen=True)
@@ -35,9 +36,7 @@ class DraftData:
     vocab: torch.Tensor  # [V_draft] target ids of the draft vocabulary, ascending
 
     def save(self, path: Path) -> None:
-        tmp = path.with_suffix(".tmp")
-        torch.save({f.name: getattr(self, f.name) for f in fields(self)}, tmp)
-        tmp.replace(path)
+        save_atomically({f.name: getattr(self, f.name) for f in fields(self)}, path)
 
     @classmethod
     def load(cls, path: Path) -> DraftData:
@@ -59,11 +58,8 @@ class DraftData:
 
     def windows(self, starts: list[int], length: int) -> dict[str, torch.Tensor]:
         """[B, length] slices of every stream tensor, one per start (aux and final: [B, length, ...])."""
-        stream = {
-            "tokens": self.tokens, "segments": self.segments, "scored": self.scored, "aux": self.aux,
-            "final": self.final,
-        }  # fmt: skip
-        return {k: torch.stack([v[s : s + length] for s in starts]) for k, v in stream.items()}
+        names = ("tokens", "segments", "scored", "aux", "final")
+        return {k: torch.stack([getattr(self, k)[s : s + length] for s in starts]) for k in names}
 
 
 def draft_vocabulary(tokens: torch.Tensor, vocab_size: int, size: int) -> torch.Tensor:
@@ -72,21 +68,15 @@ def draft_vocabulary(tokens: torch.Tensor, vocab_size: int, size: int) -> torch.
     size = min(size, vocab_size)
     counts = Counter(tokens.flatten().tolist())
     ranked = sorted(counts, key=lambda i: (-counts[i], i))[:size]
-    unused = (i for i in range(vocab_size) if i not in counts)
-    while len(ranked) < size:
-        ranked.append(next(unused))
+    ranked += [i for i in range(vocab_size) if i not in counts][: size - len(ranked)]
     return torch.tensor(sorted(ranked), dtype=torch.int64)
 
 
 def responds_mask(samples: list[Sample]) -> torch.Tensor:
     """[N] bool over the concatenated samples: prompt [a b] + response [c d] -> [F T T F] (b predicts c,
     c predicts d; the last position's next token belongs to the next sample)."""
-    masks = []
-    for s in samples:
-        m = torch.zeros(len(s.tokens), dtype=torch.bool)
-        m[max(s.prompt_len - 1, 0) : len(s.tokens) - 1] = True
-        masks.append(m)
-    return torch.cat(masks)
+    flags = [s.prompt_len - 1 <= i < len(s.tokens) - 1 for s in samples for i in range(len(s.tokens))]
+    return torch.tensor(flags, dtype=torch.bool)
 
 
 @torch.inference_mode()
@@ -98,16 +88,13 @@ def extract(target: LlamaForCausalLM, samples: list[Sample], draft_vocab: int) -
         raise ValueError("extract needs a target built with aux_layers (the hidden states the draft reads)")
     aux, final = [], []
     for s in tqdm(samples, desc="target features", unit="seq", dynamic_ncols=True):
-        ids = torch.tensor([s.tokens])
-        hidden, captured = target(ids, torch.arange(ids.shape[1])[None])
+        hidden, captured = target(torch.tensor([s.tokens]), torch.arange(len(s.tokens))[None])
         aux.append(captured[0])
         final.append(hidden[0])
-    tokens = torch.tensor([t for s in samples for t in s.tokens], dtype=torch.int64)
-    segments = torch.cat([torch.full((len(s.tokens),), i) for i, s in enumerate(samples)])
     responses = torch.tensor([t for s in samples for t in s.tokens[s.prompt_len :]], dtype=torch.int64)
     return DraftData(
-        tokens=tokens,
-        segments=segments,
+        tokens=torch.tensor([t for s in samples for t in s.tokens], dtype=torch.int64),
+        segments=torch.cat([torch.full((len(s.tokens),), i) for i, s in enumerate(samples)]),
         responds=responds_mask(samples),
         aux=torch.cat(aux),
         final=torch.cat(final),

@@ -1,6 +1,6 @@
 """The optimisation loop both trainers share: AdamW, linear warm-up then cosine decay to 10%, gradient
 clipping, a tqdm bar with loss and ETA, and a checkpoint (weights + optimizer + step + log) that
-`resume=True` continues from. Batches are a function of the step (see data.batch_generator), so a
+`resume=True` continues from. Batches are a function of the step (data.step_generator), so a
 resumed run computes exactly what an uninterrupted one does."""
 
 from __future__ import annotations
@@ -84,10 +84,13 @@ def train(
 
 
 def _save(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer, step: int, log: list) -> None:
-    """Written to a temporary name and renamed, so an interrupted save never leaves a torn checkpoint."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    state = {"module": module.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "log": log}
+    save_atomically(state, path)
+
+
+def save_atomically(state: object, path: Path) -> None:
+    """torch.save to a temporary name, then a rename: an interrupted save never leaves a torn file."""
     tmp = path.with_suffix(".tmp")
-    torch.save(
-        {"module": module.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "log": log}, tmp
-    )
+    torch.save(state, tmp)
     os.replace(tmp, path)

@@ -35,18 +35,17 @@ def llama3_config(vocab_size: int, **overrides) -> dict:
         eos_token_id=4,
         torch_dtype="float32",
     )
-    config.update(overrides)
-    return config
+    return config | overrides
 
 
-def normal_init(module: torch.nn.Module, std: float = 0.02) -> None:
-    """N(0, std) weights from the global generator, norms set to 1."""
+def normal_init(module: torch.nn.Module, std: float = 0.02, generator: torch.Generator | None = None) -> None:
+    """N(0, std) weights from `generator` (default: the global one), norms set to 1."""
     with torch.no_grad():
         for name, p in module.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             else:
-                p.normal_(0.0, std)
+                p.normal_(0.0, std, generator=generator)
 
 
 def write_random_checkpoint(out_dir: str | Path, config: dict, seed: int = 0) -> None:
@@ -81,14 +80,8 @@ def write_random_draft(
     target = ModelConfig.from_dir(target_dir)
     gen = torch.Generator().manual_seed(seed)
     draft = Eagle3Draft(draft_config_for(target, draft_vocab))
+    normal_init(draft, std, gen)
     with torch.no_grad():
-        for name, p in draft.named_parameters():
-            fresh = (
-                torch.ones_like(p)
-                if name.endswith("norm.weight")
-                else torch.randn(p.shape, generator=gen) * std
-            )
-            p.copy_(fresh)
         if draft_vocab:
             ids = torch.randperm(target.vocab_size, generator=gen)[:draft_vocab].sort().values
             draft.d2t.copy_(ids - torch.arange(draft_vocab))

@@ -25,7 +25,7 @@ from redline.train.random_init import llama3_config, normal_init
 
 @dataclass(frozen=True)
 class TargetRecipe:
-    """The demo target: 6.8M parameters, ~6 minutes on 2 cores (about 530k training tokens)."""
+    """The demo target (its size and training time: BENCHMARKS.md, "The demo pair")."""
 
     vocab_size: int = 2048
     hidden_size: int = 256
@@ -42,19 +42,6 @@ class TargetRecipe:
     seed: int = 0
 
 
-def model_config(recipe: TargetRecipe, vocab_size: int) -> dict:
-    return llama3_config(
-        vocab_size,
-        hidden_size=recipe.hidden_size,
-        intermediate_size=recipe.intermediate_size,
-        num_hidden_layers=recipe.num_layers,
-        num_attention_heads=recipe.num_heads,
-        num_key_value_heads=recipe.num_kv_heads,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-    )
-
-
 def causal_lm_loss(model: LlamaForCausalLM, window: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy over a batch of token windows [B, T + 1]."""
     inputs, labels = window[:, :-1], window[:, 1:]
@@ -68,11 +55,9 @@ def held_out_loss(
     model: LlamaForCausalLM, stream: torch.Tensor, seq_len: int, max_windows: int = 64
 ) -> float:
     """Mean next-token loss over consecutive windows of the held-out stream."""
-    windows = stream[: (len(stream) - 1) // seq_len * seq_len + 1]
-    losses = []
-    for i in range(min(max_windows, (len(windows) - 1) // seq_len)):
-        losses.append(causal_lm_loss(model, windows[i * seq_len : (i + 1) * seq_len + 1][None]).item())
-    return sum(losses) / len(losses)
+    count = min(max_windows, (len(stream) - 1) // seq_len)
+    windows = (stream[i * seq_len : (i + 1) * seq_len + 1][None] for i in range(count))
+    return sum(causal_lm_loss(model, w).item() for w in windows) / count
 
 
 def train_target(out: Path, recipe: TargetRecipe = TargetRecipe(), resume: bool = False) -> dict:
@@ -82,7 +67,16 @@ def train_target(out: Path, recipe: TargetRecipe = TargetRecipe(), resume: bool 
     if not (resume and (out / "tokenizer.json").is_file()):
         train_bpe_tokenizer(train_texts, recipe.vocab_size, out)
     tokenizer = Tokenizer.from_dir(out)
-    config = model_config(recipe, tokenizer.vocab_size)
+    config = llama3_config(
+        tokenizer.vocab_size,
+        hidden_size=recipe.hidden_size,
+        intermediate_size=recipe.intermediate_size,
+        num_hidden_layers=recipe.num_layers,
+        num_attention_heads=recipe.num_heads,
+        num_key_value_heads=recipe.num_kv_heads,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
     eos = config["eos_token_id"]
     stream = data.token_stream([tokenizer.encode(t) for t in train_texts], eos)
     held_out = data.token_stream([tokenizer.encode(t) for t in held_out_texts], eos)
@@ -91,9 +85,8 @@ def train_target(out: Path, recipe: TargetRecipe = TargetRecipe(), resume: bool 
 
     def step_loss(step: int) -> tuple[torch.Tensor, dict[str, float]]:
         gen = data.step_generator(recipe.seed, step)
-        return causal_lm_loss(
-            model, data.stream_windows(stream, recipe.batch_size, recipe.seq_len + 1, gen)
-        ), {}
+        windows = data.stream_windows(stream, recipe.batch_size, recipe.seq_len + 1, gen)
+        return causal_lm_loss(model, windows), {}
 
     schedule = Schedule(recipe.steps, recipe.lr, recipe.warmup, recipe.weight_decay, save_every=200)
     log = train(model, step_loss, schedule, out / "checkpoint.pt", resume, desc="train-target")

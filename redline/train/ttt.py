@@ -86,9 +86,7 @@ def ttt_unroll(
     batch = AttentionBatch.build(draft.config.layer, draft.rotary, positions, positions[:1, :1], None)
     embeds = draft.embed(tokens[:, 1:])  # [B, rows, H]
     hidden = draft.fuse(aux[:, :rows])  # [B, rows, H]
-    keys: list[torch.Tensor] = []
-    values: list[torch.Tensor] = []
-    outputs = []
+    keys, values, outputs = [], [], []  # per step: [B, rows, kv_heads, D] twice, [B, rows, H]
     for _ in range(steps):
         x, residual = layer.attention_input(embeds, hidden)
         q, k, v = attn.project(x, batch)
@@ -113,8 +111,7 @@ def ttt_loss(
     """Weighted TTT loss and per-step top-1 agreement with the target ("acc0", "acc1", ...). Each step's
     soft cross-entropy against the target's softmax over the draft vocabulary is averaged over its
     scored rows. Logits are computed for the rows any step scores (a step's few unscored ones, at the
-    start of a sequence, weigh 0), and F.cross_entropy with probability targets fuses the softmax, the
-    product and the sum: about 3x faster on CPU than writing them out."""
+    start of a sequence, weigh 0); F.cross_entropy with probability targets fuses softmax, product and sum."""
     rows = segments[:, :-1]
     # row p predicts the token at p + 2: the target's distribution at p + 1, in the same sequence
     any_step = scored[:, 1:] & (segments[:, 1:] == rows)  # [B, rows]
