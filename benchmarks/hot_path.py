@@ -76,13 +76,17 @@ def _plain(target: str, prompts: list[list[int]], long_prompt: list[int], tokens
     return out
 
 
-def child(target: str, draft: str, tokens: int, rounds: int) -> dict:
+def child(target: str, draft: str, tokens: int, rounds: int, quick: bool) -> dict:
     """One revision's figures, in this process (redline imported from PYTHONPATH: the tree under test)."""
     import torch
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, 40_000, (PROMPT,), generator=g).tolist() for _ in range(SLOTS)]
     long_prompt = torch.randint(5, 40_000, (LONG_PROMPT,), generator=g).tolist()
+    if quick:  # batch-1 plain decode alone, on a 1-slot engine (fewer graphs to compile): for bisecting
+        plain = _engine(target, max_batch=1)
+        return {"warmup_plain_s": getattr(plain, "warmup_s", float("nan")),
+                "plain_b1_ms": _step_ms(plain, prompts[:1], tokens, rounds)}  # fmt: skip
     out = _plain(target, prompts, long_prompt, tokens, rounds)  # its engine freed on return
     spec = _engine(target, max_batch=1, draft=draft, num_draft_tokens=3)
     out["warmup_k3_s"] = spec.warmup_s
@@ -104,7 +108,7 @@ def measure(tree: Path, target: Path, draft: Path, args: argparse.Namespace, cac
     env = {**os.environ, "PYTHONPATH": str(tree), "TORCHINDUCTOR_CACHE_DIR": str(cache)}
     env.pop("REDLINE_COMPILE", None)
     command = [sys.executable, __file__, "--child", str(target), str(draft), str(args.tokens),
-               str(args.rounds)]  # fmt: skip
+               str(args.rounds), str(int(args.quick))]  # fmt: skip
     done = subprocess.run(command, env=env, cwd=tree, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{tree} failed:\n{done.stderr[-4000:]}")
@@ -128,11 +132,14 @@ def table(runs: dict[str, dict], bandwidth: float, weights: int) -> str:
             ("K=3 b1 ms/step", "k3_b1_ms"), ("prefill 2,000 ms", "prefill_2000_ms"),
             ("warm-up plain s", "warmup_plain_s"), ("warm-up K=3 s", "warmup_k3_s")]  # fmt: skip
     lines = ["| | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    rows = [(label, key) for label, key in rows if all(key in run for run in runs.values())]
     for label, key in rows:
         lines.append(f"| {label} | " + " | ".join(f"{runs[n][key]:.2f}" for n in names) + " |")
     roofline = weights / bandwidth / 1e6  # ms
     lines.append("| plain b1 % of roofline | " + " | ".join(f"{roofline / runs[n]['plain_b1_ms']:.0%}"
                                                          for n in names) + " |")  # fmt: skip
+    if any("k3_b1_ms" not in run for run in runs.values()):
+        return "\n".join(lines)
     ratios = [runs[n]["k3_b1_ms"] / runs[n]["plain_b1_ms"] for n in names]
     lines.append("| K=3 step / plain step | " + " | ".join(f"{r:.2f}" for r in ratios) + " |")
     return "\n".join(lines)
@@ -145,11 +152,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="decode steps timed per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path, default=MAIN / "benchmarks/results/hot_path.json")
-    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="batch-1 plain decode only (for bisecting)")
+    parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        target, draft, tokens, rounds = args.child
-        print(json.dumps(child(target, draft, int(tokens), int(rounds))))
+        target, draft, tokens, rounds, quick = args.child
+        print(json.dumps(child(target, draft, int(tokens), int(rounds), quick == "1")))
         return
     import torch
 
