@@ -37,11 +37,12 @@ def _engine(target: str, **options):
     """LLM(...) with the options this revision knows (older ones lack some keywords)."""
     from redline import LLM
 
+    options |= {"dtype": "bfloat16", "compile": True, "max_seq_len": CONTEXT, "prefix_caching": False,
+                "progress": False}  # fmt: skip
     known = inspect.signature(LLM.__init__).parameters
     if not any(p.kind is p.VAR_KEYWORD for p in known.values()):
         options = {k: v for k, v in options.items() if k in known}
-    return LLM(target, dtype="bfloat16", compile=True, max_seq_len=CONTEXT, prefix_caching=False,
-               progress=False, **options)  # fmt: skip
+    return LLM(target, **options)
 
 
 def _seconds(run) -> tuple[float, object]:
