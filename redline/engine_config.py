@@ -9,7 +9,8 @@ command line through `engine_flags.add_engine_args` (the flags are generated fro
     EngineConfig.create("DIR", max_num_seqs=8, enable_prefix_caching=False)
     EngineConfig.create("DIR", max_batch=8, prefix_caching=False)          # the same, redline's names
 
-Values that depend on the model (dtype "auto", the context window, where a hub id lives) are resolved
+Values that depend on the model or the machine (dtype "auto" or unset, the context window, where a hub
+id lives) are resolved
 when the engine is built (models/source.py), never here: this module reads no file.
 """
 
@@ -47,9 +48,23 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
-def dtype_name(value: str | torch.dtype) -> str:
-    """torch.bfloat16 -> "bfloat16" (LLM(dtype=torch.bfloat16) works); a name passes through."""
+def dtype_name(value: str | torch.dtype | None) -> str | None:
+    """torch.bfloat16 -> "bfloat16" (LLM(dtype=torch.bfloat16) works); a name (or None) passes through."""
     return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
+
+
+def fast_bf16(device: str | torch.device = "cpu") -> bool:
+    """Whether `device` computes bf16 natively: CUDA with bf16, or a CPU with AVX-512 BF16 or AMX tiles, as
+    torch's own CPU feature detection (what inductor asks) reports them. Elsewhere bf16 is emulated and
+    slower than fp32."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def fast_dtype(device: str | torch.device = "cpu") -> str:
+    """The default dtype: "bfloat16" where the device computes it natively, "float32" elsewhere."""
+    return "bfloat16" if fast_bf16(device) else "float32"
 
 
 def option(default: Any, help: str, *aliases: str, flags: tuple[str, ...] = (), flat: str = "", **kw: Any):
@@ -81,8 +96,10 @@ def _check_types(group: Any) -> None:
 class LoadConfig:
     model: str = option("", "checkpoint directory, llama .gguf file or Hugging Face Hub id (ORG/NAME)")
     revision: str | None = option(None, "with a hub id: the branch, tag or commit (default main)")
-    dtype: str = option(
-        "bfloat16", "bfloat16 | float16 | float32 | fp8 (FP8 weights) | auto (the checkpoint's)"
+    dtype: str | None = option(
+        None,
+        "bfloat16 | float16 | float32 | fp8 (FP8 weights) | auto (the checkpoint's) (default: bfloat16 where "
+        "the device computes it natively: CUDA, CPUs with AVX-512 BF16 or AMX; float32 elsewhere)",
     )
     quantization: str | None = option(None, "fp8: quantize the decoder's weights on load", choices=("fp8",))
     device: str = option("cpu", "cpu | cuda | cuda:N")
@@ -90,7 +107,7 @@ class LoadConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
         _check_types(self)
-        _require(self.dtype in (*DTYPES, "fp8", "auto"), f"unknown dtype {self.dtype!r}; choose one of "
+        _require(self.dtype in (*DTYPES, "fp8", "auto", None), f"unknown dtype {self.dtype!r}; choose one of "
                  f"{', '.join(DTYPES)}, fp8, auto")  # fmt: skip
         _require(
             self.quantization in (None, "fp8"), f"unknown quantization {self.quantization!r}; choose fp8"
@@ -100,7 +117,11 @@ class LoadConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        """The activations' dtype (FP8 weights compute in bfloat16); "auto" must be resolved first."""
+        """The activations' dtype (FP8 weights compute in bfloat16); "auto" and None resolve to the same
+        dtype as models/source.resolve gives them only with the checkpoint at hand, so they are not
+        resolved here."""
+        if self.dtype in ("auto", None):
+            raise ValueError(f"dtype {self.dtype!r} is resolved when the model is found (models/source.py)")
         return torch.bfloat16 if self.dtype == "fp8" else parse_dtype(self.dtype)
 
 
@@ -263,6 +284,12 @@ class CompileConfig:
         None, "capture every decode step shape as a CUDA graph (default: on CUDA)"
     )
     pdl: bool = option(False, "programmatic dependent launch of the Triton kernels (Hopper or newer GPUs)")
+    compile_in_background: bool | None = option(
+        None,
+        "serve eagerly from the first request while the compiled graphs build in a background thread, then "
+        "switch (default: on for `redline generate` and `serve` when compile is left to its CPU default on "
+        "one process; off for LLM(), which compiles every shape before the first request)",
+    )
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -316,6 +343,12 @@ class EngineConfig:
         on_cpu, compilation = self.load.device == "cpu", self.compilation
         _require(not (on_cpu and compilation.cuda_graphs), "cuda_graphs needs a CUDA device (device cuda)")
         _require(not (on_cpu and compilation.pdl), "pdl needs a CUDA device (Hopper or newer)")
+        if compilation.compile_in_background:
+            one = "compile_in_background runs on one process (tensor_parallel_size 1)"
+            _require(self.parallel.tensor_parallel_size == 1, one)
+            _require(compilation.compile is not False, "compile_in_background needs compile")
+            cpu = "compile_in_background is for CPU compile (CUDA captures CUDA graphs at start-up)"
+            _require(on_cpu, cpu)
 
     @classmethod
     def create(cls, model: str | Any = "", **given: Any) -> EngineConfig:
@@ -357,6 +390,21 @@ class EngineConfig:
     @property
     def speculation(self) -> bool:
         return self.speculative.model is not None
+
+    def compiles_in_background(self, compiles: bool) -> bool:
+        """Whether the engine serves eagerly while compiling (compiles: whether it compiles at all)."""
+        return bool(self.compilation.compile_in_background) and compiles
+
+    def answering_at_once(self) -> EngineConfig:
+        """For a process that runs one engine (`redline generate`, `serve`): compile_in_background where the
+        engine compiles by its CPU default on one process and the option was not given. Not LLM()'s
+        default: dynamo's stance and config are process-wide, so a compile in the background could
+        change how another engine of the process runs its graphs."""
+        c = self.compilation
+        alone = self.parallel.tensor_parallel_size == 1 and self.load.device == "cpu"
+        if c.compile_in_background is not None or c.compile is not None or not alone:
+            return self
+        return self.replace(compile_in_background=True)
 
     @property
     def num_draft_tokens(self) -> int:

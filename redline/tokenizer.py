@@ -49,17 +49,6 @@ def _tojson(
     )
 
 
-def compile_chat_template(source: str) -> jinja2.Template:
-    """Compile a chat template in the same sandboxed environment transformers uses."""
-    environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    environment.filters["tojson"] = _tojson
-    environment.globals["raise_exception"] = _raise_template_exception
-    environment.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
-    return environment.from_string(source)
-
-
 class Tokenizer:
     """A Hugging Face tokenizer: tokenizer.json plus special tokens and chat template from its config."""
 
@@ -72,15 +61,12 @@ class Tokenizer:
         add_bos_token: bool = False,
         extra_eos_ids: Iterable[int] = (),
     ) -> None:
-        self._backend = backend
+        self._backend, self.chat_template, self.add_bos_token = backend, chat_template, add_bos_token
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
-        self.bos_token = bos_token
+        self.bos_token, self.eos_token = bos_token, eos_token
         self.bos_token_id = backend.token_to_id(bos_token) if bos_token is not None else None
-        self.eos_token = eos_token
         eos_id = backend.token_to_id(eos_token) if eos_token is not None else None
         self.eos_token_ids: frozenset[int] = frozenset(extra_eos_ids) | ({eos_id} - {None})
-        self.chat_template = chat_template
-        self.add_bos_token = add_bos_token
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, extra_eos_ids: Iterable[int] = ()) -> "Tokenizer":
@@ -98,14 +84,13 @@ class Tokenizer:
             config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
         except (OSError, ValueError) as error:
             raise TokenizerError(f"cannot read {config_path}: {error}") from error
-        template_path = model_dir / "chat_template.jinja"
+        jinja = model_dir / "chat_template.jinja"  # wins over the config's template
+        template = jinja.read_text(encoding="utf-8") if jinja.is_file() else config.get("chat_template")
         return cls(
             backend,
             bos_token=_token_content(config.get("bos_token")),
             eos_token=_token_content(config.get("eos_token")),
-            chat_template=template_path.read_text(encoding="utf-8")
-            if template_path.is_file()
-            else _select_chat_template(config.get("chat_template")),
+            chat_template=_select_chat_template(template),
             add_bos_token=bool(config.get("add_bos_token", False)),
             extra_eos_ids=extra_eos_ids,
         )
@@ -151,12 +136,19 @@ class Tokenizer:
 
     @cached_property
     def _compiled_chat_template(self) -> jinja2.Template:
+        """The chat template, compiled in the same sandboxed environment transformers uses."""
         if self.chat_template is None:
             raise TokenizerError(
                 "this model has no chat template (tokenizer_config.json or chat_template.jinja)"
             )
+        environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        )
+        environment.filters["tojson"] = _tojson
+        environment.globals["raise_exception"] = _raise_template_exception
+        environment.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
         try:
-            return compile_chat_template(self.chat_template)
+            return environment.from_string(self.chat_template)
         except jinja2.TemplateError as error:
             raise TokenizerError(f"invalid chat template: {error}") from error
 
@@ -177,9 +169,7 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered chat; the template writes bos itself, so no special tokens are added."""
-        return self.encode(
-            self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
-        )
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), False)
 
 
 class IncrementalDetokenizer:
@@ -188,8 +178,7 @@ class IncrementalDetokenizer:
     def __init__(
         self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
     ) -> None:
-        self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
+        self._tokenizer, self._skip_special_tokens = tokenizer, skip_special_tokens
         # _ids[:_read_offset] is context that was already emitted (the previous piece, or the prompt's tail):
         # decoding it together with the pending _ids[_read_offset:] gets merges and leading spaces right.
         self._ids = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])

@@ -12,7 +12,7 @@ def test_bench_writes_json_and_plot(trained, tmp_path):
     argv = [
         "bench", "--model", str(trained / "target"), "--draft", str(trained / "draft"),
         "--num-draft-tokens", "1,3", "--max-tokens", "16", "--prompts", "2", "--prompt-len", "16",
-        "--repeats", "1", "--json", str(out), "--plot", str(png),
+        "--repeats", "1", "--modes", "eager", "--json", str(out), "--plot", str(png),
     ]  # fmt: skip
     assert main(argv) == 0
     result = json.loads(out.read_text())

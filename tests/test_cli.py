@@ -130,7 +130,7 @@ def test_generate_with_a_draft_prints_acceptance(model_dir, tmp_path, capsys):
 def test_bench_takes_prompts_from_a_held_out_set(model_dir, tmp_path):
     out = tmp_path / "bench.json"
     argv = ["bench", "--model", str(model_dir), "--data", "humaneval", "--prompts", "2", "--max-tokens", "4"]
-    assert main([*argv, "--repeats", "1", "--no-hf", "--json", str(out)]) == 0
+    assert main([*argv, "--repeats", "1", "--no-hf", "--modes", "eager", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["settings"]["data"] == "humaneval"
     assert [r["engine"] for r in result["runs"]] == ["redline"]

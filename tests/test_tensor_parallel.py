@@ -404,7 +404,7 @@ def test_bench_runs_redline_over_two_processes(tmp_path, tokenizer_dir, capsys):
     out = tmp_path / "bench.json"
     argv = ["bench", "--model", str(target), "--draft", str(draft), "--num-draft-tokens", "2", "--no-hf",
             "--max-tokens", "12", "--prompts", "2", "--prompt-len", "16", "--repeats", "1", "--tp", "2",
-            "--json", str(out)]  # fmt: skip
+            "--modes", "eager", "--json", str(out)]  # fmt: skip
     assert main(argv) == 0
     runs = json.loads(out.read_text())["runs"]
     assert [(r["engine"], r["tensor_parallel_size"]) for r in runs] == [("redline", 2), ("redline+eagle3", 2)]

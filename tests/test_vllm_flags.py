@@ -42,7 +42,9 @@ def test_every_commands_engine_flags_are_the_fields_with_their_defaults():
             assert given == set(options()), name
     generate = config_from_args(parser.parse_args(COMMANDS["generate"][0]))
     assert generate == EngineConfig.create("m", **ONE_SLOT)
-    assert engine_config(parser.parse_args(COMMANDS["serve"][0])) == EngineConfig.create("m")
+    served = engine_config(parser.parse_args(COMMANDS["serve"][0]))
+    assert served == EngineConfig.create("m").answering_at_once()  # answers while it compiles
+    assert served.compilation.compile_in_background
     for o in options().values():  # redline's older names are aliases of vLLM's, on the command line too
         assert flags_of(o)[0] == "--" + o.flat.replace("_", "-")
         assert all(f"--{alias.replace('_', '-')}" in flags_of(o) for alias in o.aliases)

@@ -50,7 +50,7 @@ def add_parser(sub) -> None:
     engines.add_argument("--prompt-len", type=int, default=64)
     engines.add_argument("--repeats", type=int, default=3)
     help = "redline's modes to run: eager, compiled or eager,compiled"
-    engines.add_argument("--modes", type=_modes, default=["eager"], help=help)
+    engines.add_argument("--modes", type=_modes, default=["compiled"], help=help)
     help = "the same as --modes compiled"
     engines.add_argument("--compile", dest="compiled_mode", action="store_true", help=help)
     engines.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
@@ -107,6 +107,7 @@ def _given(args: argparse.Namespace, flags: tuple[str, ...]) -> bool:
 def _bench_engines(args: argparse.Namespace) -> tuple[str, dict]:
     from redline.benchmark import machine, report
     from redline.benchmark.run import BenchSettings, run_bench
+    from redline.engine_config import fast_dtype
 
     if not args.model:
         raise ValueError("redline bench needs --model DIR (engine benchmark) or --url URL (server load test)")
@@ -117,6 +118,7 @@ def _bench_engines(args: argparse.Namespace) -> tuple[str, dict]:
     modes = ["compiled"] if args.compiled_mode else args.modes
     if not modes or set(modes) - {"eager", "compiled"}:
         raise ValueError(f"--modes takes eager and/or compiled, got {','.join(modes)}")
+    args.dtype = args.dtype or fast_dtype("cpu")  # bench runs on the CPU
     if args.dtype in ("auto", "fp8"):
         raise ValueError(
             f"redline bench compares engines in one dtype: bfloat16, float16 or float32, not {args.dtype}"

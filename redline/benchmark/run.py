@@ -46,7 +46,7 @@ class BenchSettings:
     prompt_len: int = 64
     repeats: int = 3
     dtype: str = "float32"
-    modes: tuple[bool, ...] = (False,)  # redline runs with compile=False and/or compile=True
+    modes: tuple[bool, ...] = (True,)  # redline runs with compile=False and/or compile=True
     hf: bool = True
     data: str | None = None  # "sharegpt" | "humaneval": whole prompts from that held-out set (prompts.py)
     gguf_files: tuple[Path, ...] = ()  # llama.cpp runs each of these files

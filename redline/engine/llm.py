@@ -27,9 +27,9 @@ from redline.engine.scheduler import Scheduler
 from redline.engine_config import EngineConfig
 from redline.models import source
 from redline.parallel import sharding
-from redline.parallel.group import SINGLE
 from redline.runner import ranks, torchrun
-from redline.runner.build import build_runner, context_len, shapes_of
+from redline.runner.background_compile import BackgroundCompile
+from redline.runner.build import build_single, context_len, shapes_of
 from redline.runner.model_runner import ModelRunner
 from redline.runner.warm_up import needs_warm_up, warm_up
 from redline.sampling import SamplingParams
@@ -86,8 +86,10 @@ class LLM:
         EngineConfig's (README "Engine options"), or config= a whole EngineConfig. With compile (the
         default on CPU) or on CUDA (where every step shape is captured as a CUDA graph), construction
         compiles and captures every shape the engine can meet, with a progress bar unless progress=False;
-        `warmup_s` says how long it took. With tensor_parallel_size N > 1 this process is rank 0 of N
-        (one GPU each on CUDA); close() stops the others."""
+        `warmup_s` says how long it took. With compile_in_background it answers at once on an eager runner
+        and switches to the compiled graphs when they are built (wait_compiled()). With
+        tensor_parallel_size N > 1 this process is rank 0 of N (one GPU each on CUDA); close() stops the
+        others."""
         if config is None:
             config = EngineConfig.create(model or "", **options)
         elif model is not None or options:
@@ -102,14 +104,14 @@ class LLM:
         size = config.parallel.tensor_parallel_size
         if size > 1:
             sharding.check_divisible(self.model_config, size, config.parallel.enable_expert_parallel)
-            self.executor: ModelRunner | ranks.RankGroup = (
+            self.executor: ModelRunner | ranks.RankGroup | BackgroundCompile = (
                 torchrun.lead(config, size) if torchrun.launched() else ranks.start(config, size)
             )
             weakref.finalize(self, self.executor.close)
         else:
-            self.executor = build_runner(config, SINGLE)
+            self.executor = build_single(config, progress)
         self.warmup_s = 0.0  # compiling and capturing every prefill and step shape, before any request
-        if needs_warm_up(self.runner):
+        if not isinstance(self.executor, BackgroundCompile) and needs_warm_up(self.runner):
             start = time.perf_counter()
             if isinstance(self.executor, ranks.RankGroup):
                 self.executor.warm_up(progress)
@@ -123,8 +125,16 @@ class LLM:
 
     @property
     def runner(self) -> ModelRunner:
-        """This process's runner (rank 0's under tensor parallelism): the device side, for benchmarks."""
-        return self.executor.runner if isinstance(self.executor, ranks.RankGroup) else self.executor
+        """This process's runner (rank 0's under tensor parallelism; the one serving now while compiling in
+        the background): the device side, for benchmarks."""
+        if isinstance(self.executor, ranks.RankGroup | BackgroundCompile):
+            return self.executor.runner
+        return self.executor
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """With compile_in_background: blocks until the compiled graphs are ready (True; the next step runs
+        them) or `timeout` seconds pass (False). True at once for an engine that compiled at start-up."""
+        return self.executor.wait(timeout) if isinstance(self.executor, BackgroundCompile) else True
 
     @property
     def model(self) -> torch.nn.Module:
@@ -136,7 +146,7 @@ class LLM:
         return self.runner.draft
 
     def close(self) -> None:
-        """Stops the tensor-parallel worker processes (nothing to do on one rank)."""
+        """Stops the tensor-parallel worker processes, or a compile in the background."""
         self.executor.close()
 
     def stats(self) -> EngineStats:

@@ -25,6 +25,7 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from redline.data.sources import resolve
+    from redline.engine_config import fast_dtype
     from redline.evaluate import public_sets
     from redline.evaluate.run import EvalConfig, eval_table, evaluate, parse_config
     from redline.evaluate.tasks import load_tasks
@@ -34,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("redline eval needs --model")
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be at least 1, got {args.limit}")
+    args.dtype = args.dtype or fast_dtype(args.device)  # the base's dtype, named in its label
     short = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}  # the base's label, as --compare says
     label = short.get(args.dtype, args.dtype)
     configs = [EvalConfig(label, Path(args.model), args.dtype)]

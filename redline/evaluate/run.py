@@ -75,9 +75,7 @@ def evaluate(
                   enable_expert_parallel=expert_parallel)  # fmt: skip
         samples = text_windows(llm.tokenizer, texts, window_len, windows)
         lp = [llm.log_probs(w.tolist()) for w in samples]  # [T, V] fp32 per window (every TP rank joins)
-        nll = [
-            -row[torch.arange(len(w) - 1), w[1:]].mean().item() for row, w in zip(lp, samples, strict=True)
-        ]
+        nll = [-x[torch.arange(len(w) - 1), w[1:]].mean().item() for x, w in zip(lp, samples, strict=True)]
         base_lp = base_lp or lp
         kl = [(b.exp() * (b - c)).sum(-1).mean().item() for b, c in zip(base_lp, lp, strict=True)]
         params = [SamplingParams(max_tokens=t.max_tokens, stop=list(t.stop) or None) for t in tasks]
@@ -103,17 +101,11 @@ def evaluate(
 
 
 def eval_table(rows: list[dict]) -> str:
-    columns = sorted({name for r in rows for name in r["accuracy"]})
-    widths = [max(10, len(c) + 2) for c in columns]
-    head = f"{'config':<18}{'perplexity':>12}{'KL to base':>12}{'greedy = base':>15}" + "".join(
-        f"{c:>{w}}" for c, w in zip(columns, widths, strict=True)
-    )
-    lines = [head]
+    widths = {c: max(10, len(c) + 2) for c in sorted({c for r in rows for c in r["accuracy"]})}
+    head = "".join(f"{c:>{w}}" for c, w in widths.items())
+    lines = [f"{'config':<18}{'perplexity':>12}{'KL to base':>12}{'greedy = base':>15}{head}"]
     for r in rows:
-        cells = "".join(
-            f"{100 * r['accuracy'].get(c, float('nan')):>{w - 1}.1f}%"
-            for c, w in zip(columns, widths, strict=True)
-        )
+        cells = "".join(f"{100 * r['accuracy'].get(c, float('nan')):>{w - 1}.1f}%" for c, w in widths.items())
         lines.append(
             f"{r['config']:<18}{r['perplexity']:>12.3f}{r['kl_to_base']:>12.2e}{r['greedy_agreement']:>15.1%}{cells}"
         )

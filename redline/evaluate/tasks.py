@@ -91,12 +91,12 @@ def chosen_letter(text: str) -> str | None:
     return match.group(1) if match else None
 
 
-def code_passes(completion: str, task: Task, timeout: float = CODE_TIMEOUT_S) -> bool:
+def code_passes(completion: str, task: Task) -> bool:
     """Prompt + completion (or the completion's ```python block, when it has one) + tests, run in the
     sandbox with a timeout; passes when it exits with status 0."""
     blocks = re.findall(r"```(?:python)?\n(.*?)```", completion, flags=re.S)
     program = blocks[0] if blocks else task.prompt + completion
-    return run_python(program + "\n\n" + (task.tests or "") + "\n", timeout)
+    return run_python(program + "\n\n" + (task.tests or "") + "\n", CODE_TIMEOUT_S)
 
 
 def score(task: Task, completion: str) -> bool:

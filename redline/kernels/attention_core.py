@@ -40,7 +40,7 @@ def attention_by_reductions(
     values: torch.Tensor,  # [B, Hkv, S, D]
     mask: torch.Tensor,  # [B or 1, 1, T, S] bool; every query attends to at least its own position
 ) -> torch.Tensor:  # [B, T, Hq, D], as sdpa_attention (fp32 scores and softmax)
-    if not torch.compiler.is_compiling() or q.shape[1] > STEP_QUERIES:
+    if not torch.compiler.is_dynamo_compiling() or q.shape[1] > STEP_QUERIES:
         return sdpa_attention(q, keys, values, mask)
     b, t, hq, d = q.shape
     hkv = keys.shape[1]

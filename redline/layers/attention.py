@@ -70,7 +70,7 @@ class AttentionBatch:
             if (
                 positions.device.type == "cpu"
                 and positions.shape[0] > 1
-                and not torch.compiler.is_compiling()
+                and not torch.compiler.is_dynamo_compiling()
             ):
                 key_groups = _key_groups(positions, kv_len)
         return cls(positions, tables, kv_len, full, chunked, cos, sin, temperature, write_at, key_groups)

@@ -65,8 +65,7 @@ def _config_and_scheme(
 
 def fp8_weights(model_dir: str | Path, quantization: str | None) -> bool:
     """Whether the decoder's linears will hold FP8 weights: an FP8 checkpoint, or quantization on load."""
-    scheme = _config_and_scheme(model_dir, quantization)[1]
-    return quantization == "fp8" or scheme is not None
+    return _config_and_scheme(model_dir, quantization)[1] is not None or quantization == "fp8"
 
 
 def skeleton(

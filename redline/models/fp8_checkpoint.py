@@ -65,8 +65,7 @@ def quantize_checkpoint(
                 counts["parameters"] += tensor.numel() if target is not None else 0
                 del tensor
     writer.finish()
-    raw = dict(config.raw)
-    raw["quantization_config"] = compressed_tensors_config(_ignore(config))
+    raw = config.raw | {"quantization_config": compressed_tensors_config(_ignore(config))}
     (out / "config.json").write_text(json.dumps(raw, indent=2))
     for name in COPIED:
         if (model_dir / name).is_file():

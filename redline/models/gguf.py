@@ -33,19 +33,14 @@ __all__ = ["GGUFError", "gguf_model_dir", "import_dtype", "import_gguf", "smollm
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def _expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the LlamaForCausalLM that `config` describes, with its shape."""
+def _tensor_plan(gguf_file: GGUFFile, config: dict) -> dict[str, str]:
+    """GGUF tensor name -> HF name for every weight, after checking names and shapes against the tensors
+    of the LlamaForCausalLM that the config describes."""
     with torch.device("meta"):
         model = LlamaForCausalLM(ModelConfig.from_dict(config))
-    shapes = {key: tuple(tensor.shape) for key, tensor in model.state_dict().items()}
+    expected = {key: tuple(tensor.shape) for key, tensor in model.state_dict().items()}
     if config["tie_word_embeddings"]:
-        del shapes["lm_head.weight"]
-    return shapes
-
-
-def _tensor_plan(gguf_file: GGUFFile, config: dict) -> dict[str, str]:
-    """GGUF tensor name -> HF name for every weight, after checking names and shapes against the config."""
-    expected = _expected_shapes(config)
+        del expected["lm_head.weight"]
     plan: dict[str, str] = {}
     for name, tensor in gguf_file.tensors.items():
         if name == ROPE_FREQS:

@@ -62,11 +62,10 @@ def hf_config(gguf_file: GGUFFile, dtype: torch.dtype) -> dict[str, Any]:
         raise gguf_file.error("attention.value_length differs from attention.key_length")
     # GGUF floats are float32: 9.999999747378752e-06 is how the file spells the config's 1e-05
     theta = shortest_float32(gguf_file.arch_value("rope.freq_base", 10000.0))
-    vocab = _int(gguf_file, "vocab_size", _embedding_rows(gguf_file))
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "vocab_size": vocab,
+        "vocab_size": _int(gguf_file, "vocab_size", _embedding_rows(gguf_file)),
         "hidden_size": hidden,
         "intermediate_size": _int(gguf_file, "feed_forward_length"),
         "num_hidden_layers": _int(gguf_file, "block_count"),

@@ -48,31 +48,25 @@ def resolve(model: str | Path, revision: str | None = None) -> Path:
 
 
 def _snapshot(repo_id: str, revision: str | None) -> Path:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
+    from huggingface_hub import errors, snapshot_download
 
     kw = dict(revision=revision, cache_dir=os.environ.get("HF_HUB_CACHE"), local_files_only=_offline())
     try:
         folder = Path(snapshot_download(repo_id, allow_patterns=METADATA + SAFETENSORS, **kw))
         if not any(folder.glob("*.safetensors")):  # an older checkpoint: PyTorch pickles instead
             folder = Path(snapshot_download(repo_id, allow_patterns=METADATA + PYTORCH_BIN, **kw))
-    except LocalEntryNotFoundError as e:
+    except errors.LocalEntryNotFoundError as e:
         where = "HF_HUB_OFFLINE is set" if _offline() else "the Hub cannot be reached"
         raise FileNotFoundError(
             f"{repo_id!r}{f' at revision {revision!r}' if revision else ''} is not in the Hugging Face cache "
             f"and {where}: download it once with network access, or give a local directory"
         ) from e
-    except GatedRepoError as e:
+    except errors.GatedRepoError as e:
         raise FileNotFoundError(
             f"{repo_id!r} is gated: accept its license on the Hub and set HF_TOKEN"
         ) from e
-    except RevisionNotFoundError as e:
+    except errors.RevisionNotFoundError as e:
         raise FileNotFoundError(f"{repo_id!r} has no revision {revision!r}") from e
-    except RepositoryNotFoundError as e:
+    except errors.RepositoryNotFoundError as e:
         raise FileNotFoundError(f"no Hub repository {repo_id!r} (or it is private: set HF_TOKEN)") from e
     return folder

@@ -25,11 +25,12 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         num_blocks: int | None = None,  # blocks of the pool plus the scratch block; None: fixed runs
+        layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None,  # another cache's, shared (no copy)
     ):
         self.slots, self.max_len = slots, max_len
         per_slot = max_len // BLOCK + 1  # what gather_blocks reads at kv_len = max_len
         shape = (num_blocks or slots * per_slot, config.num_kv_heads, BLOCK, config.head_dim)
-        self.layers = [
+        self.layers = layers or [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(config.num_layers)
         ]

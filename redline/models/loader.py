@@ -203,15 +203,13 @@ def check_checkpoint(
     model_dir: str | Path,
     *,
     rename: Rename = lambda key: key,
-    expected: Iterable[str] | None = None,
     optional: Iterable[str] = (),
     shard_of: ShardOf | None = None,
 ) -> dict[Path, list[_Source]]:
     """What load_weights checks before reading any data (names, shapes, FP8-ness, and complete coverage of
     module tensors assembled from Parts), without loading; returns the tensors to load, by file."""
     model_dir = Path(model_dir)
-    expected_keys = set(model.state_dict().keys() if expected is None else expected)
-    sources = _plan(checkpoint_files(model_dir), rename, expected_keys, set(optional), model_dir)
+    sources = _plan(checkpoint_files(model_dir), rename, set(model.state_dict()), set(optional), model_dir)
     by_file: dict[Path, list[_Source]] = {}
     for source in (source for group in sources.values() for source in group):
         by_file.setdefault(source.path, []).append(source)
@@ -235,7 +233,6 @@ def load_weights(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     rename: Rename = lambda key: key,
-    expected: Iterable[str] | None = None,
     optional: Iterable[str] = (),
     hook: LoadHook | None = None,
     progress: bool = True,
@@ -246,9 +243,7 @@ def load_weights(
     Reads one file at a time and one tensor at a time. A module tensor assembled from Parts is allocated
     when its first Part arrives and filled in place. With `shard_of` (tensor parallelism) a rank reads
     only its shard of each split tensor: safetensors slices read just those bytes."""
-    by_file = check_checkpoint(
-        model, model_dir, rename=rename, expected=expected, optional=optional, shard_of=shard_of
-    )
+    by_file = check_checkpoint(model, model_dir, rename=rename, optional=optional, shard_of=shard_of)
     parts = Counter(source.part.module_key for group in by_file.values() for source in group)
     remaining = parts.copy()  # Parts still to come
     with tqdm(total=parts.total(), desc="loading weights", disable=not progress) as bar:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from redline.engine_config import DTYPES, EngineConfig, parse_dtype
+from redline.engine_config import DTYPES, EngineConfig, fast_dtype, parse_dtype
 from redline.models import hub
 
 
@@ -42,8 +42,8 @@ def local_model(
 
 def resolve(config: EngineConfig, progress: bool = True) -> EngineConfig:
     """The config with local directories for the model and the draft, and a concrete dtype: "auto" is the
-    checkpoint's, "fp8" is bfloat16 activations with FP8 weights (quantization "fp8"). Also checks that a
-    CUDA device exists when one is asked for."""
+    checkpoint's, unset the device's fast one (engine_config.fast_dtype), "fp8" is bfloat16 activations
+    with FP8 weights (quantization "fp8"). Also checks that a CUDA device exists when one is asked for."""
     load, speculative = config.load, config.speculative
     if load.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {load.device!r} requested but CUDA is not available")
@@ -53,9 +53,10 @@ def resolve(config: EngineConfig, progress: bool = True) -> EngineConfig:
     found = hub.resolve(load.model, load.revision)
     if dtype == "auto":
         dtype = checkpoint_dtype(found)
+    elif dtype is None:
+        dtype = fast_dtype(load.device)
     model_dir = local_model(found, dtype=parse_dtype(dtype), progress=progress)
     load = dataclasses.replace(load, model=str(model_dir), dtype=dtype, quantization=quantization)
     if speculative.model is not None:
-        draft_dir = local_model(speculative.model)
-        speculative = dataclasses.replace(speculative, model=str(draft_dir))
+        speculative = dataclasses.replace(speculative, model=str(local_model(speculative.model)))
     return dataclasses.replace(config, load=load, speculative=speculative)

@@ -105,8 +105,7 @@ def shard_of(
         up = slice(expert_width + mine.start, expert_width + mine.stop)
         return Shard((slice(None), slice(None), mine), also=(slice(None), slice(None), up))
     if m := COLUMN.search(module_key):
-        start, stop = _output_rows(config, m.group(1), mlp_width, rank, size)
-        return Shard((slice(start, stop),))
+        return Shard((_output_rows(config, m.group(1), mlp_width, rank, size),))
     if m := ROW.search(module_key):
         if m.group(2) == "bias":
             return Shard((), zeroed=rank != 0)
@@ -118,18 +117,15 @@ def shard_of(
     return None
 
 
-def _output_rows(
-    config: ModelConfig, projection: str, mlp_width: int, rank: int, size: int
-) -> tuple[int, int]:
-    """(start, stop) of the rows of a column-parallel projection that `rank` holds."""
+def _output_rows(config: ModelConfig, projection: str, mlp_width: int, rank: int, size: int) -> slice:
+    """The rows of a column-parallel projection that `rank` holds."""
     d = config.head_dim
     if projection == "q_proj":
         heads = config.num_heads // size
-        return rank * heads * d, (rank + 1) * heads * d
+        return slice(rank * heads * d, (rank + 1) * heads * d)
     if projection in ("k_proj", "v_proj"):
         kv = config.num_kv_heads
         first = rank * kv // size  # kv >= size: kv / size heads from here; else the one head shared
-        heads = max(1, kv // size)
-        return first * d, (first + heads) * d
+        return slice(first * d, (first + max(1, kv // size)) * d)
     block = mlp_width // size
-    return rank * block, (rank + 1) * block
+    return slice(rank * block, (rank + 1) * block)

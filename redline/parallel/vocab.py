@@ -56,8 +56,7 @@ def vocab_parallel_argmax(local: torch.Tensor, tp: TensorParallel, vocab: int) -
     first = tp.rank * block
     padding = first + block - vocab  # zero rows at the end of the last block
     if padding > 0:
-        pad_ids = torch.arange(block - padding, block, device=local.device)
-        local = local.index_fill(-1, pad_ids, float("-inf"))
+        local = local.index_fill(-1, torch.arange(block - padding, block, device=local.device), float("-inf"))
     value, index = local.max(-1)  # the first maximum
     offers = tp.gather_last_dim(torch.stack((value, (index + first).float()), dim=-1))  # [..., 2N]
     best = offers[..., 0::2].argmax(-1, keepdim=True)  # [..., 1] the first rank holding the maximum

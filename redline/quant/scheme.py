@@ -35,14 +35,11 @@ class Fp8Scheme:
         'model.layers.0.self_attn.q_proj' (re.match, as compressed-tensors does); so do the full name,
         'self_attn.q_proj' and 'model.layers.0.self_attn' (a module around it: transformers skips what an
         fbgemm_fp8 `modules_to_not_convert` entry contains), but not 'q_pro' (whole name parts only)."""
-        for pattern in self.ignore:
-            for name in names:
-                if pattern.startswith("re:"):
-                    if re.match(pattern[3:], name):
-                        return True
-                elif f".{pattern}." in f".{name}.":
-                    return True
-        return False
+        return any(
+            re.match(pattern[3:], name) if pattern.startswith("re:") else f".{pattern}." in f".{name}."
+            for pattern in self.ignore
+            for name in names
+        )
 
 
 def fp8_scheme(raw: dict[str, Any], source: str = "config.json") -> Fp8Scheme | None:

@@ -13,7 +13,10 @@ from redline.config import ModelConfig
 from redline.engine_config import DEFAULT_CONTEXT, EngineConfig
 from redline.layers.backends import Backends
 from redline.models.build import fp8_weights, load_target, load_with_draft
-from redline.parallel.group import TensorParallel
+from redline.models.eagle3 import Eagle3Draft
+from redline.models.llama import LlamaForCausalLM
+from redline.parallel.group import SINGLE, TensorParallel
+from redline.runner.background_compile import BackgroundCompile
 from redline.runner.model_runner import ModelRunner
 from redline.runner.plan import Shapes
 
@@ -44,19 +47,45 @@ def backends_of(config: EngineConfig, device: torch.device) -> Backends:
     return Backends.choose(device, load.torch_dtype, compiled, config.compilation.pdl, fp8)
 
 
+def build_models(
+    config: EngineConfig, tp: TensorParallel, where: torch.device
+) -> tuple[LlamaForCausalLM, Eagle3Draft | None]:
+    """The target and the draft (or None) on `where`, with the kernels of the config's compile mode."""
+    load, speculative = config.load, config.speculative
+    dtype, backends = load.torch_dtype, backends_of(config, where)
+    if speculative.model is not None:
+        return load_with_draft(load.model, speculative.model, dtype, where, load.quantization, tp, backends)
+    return load_target(load.model, dtype, where, load.quantization, tp, backends), None
+
+
+def runner_of(
+    config: EngineConfig,
+    model: LlamaForCausalLM,
+    draft: Eagle3Draft | None,
+    compile: bool,
+    kv_of: ModelRunner | None = None,
+) -> ModelRunner:
+    cache, shapes = config.cache, shapes_of(config, ModelConfig.from_dir(config.load.model))
+    kv_dtype = cache.torch_dtype(config.load.torch_dtype)
+    return ModelRunner(
+        model, shapes, draft, compile, config.compilation.cuda_graphs, kv_dtype, cache.kv_cache_memory_bytes,
+        cache.gpu_memory_utilization, kv_of,
+    )  # fmt: skip
+
+
 def build_runner(config: EngineConfig, tp: TensorParallel, device: str | None = None) -> ModelRunner:
     """This rank's runner; device overrides config's (rank r of a CUDA group: cuda:r)."""
-    load, speculative = config.load, config.speculative
-    where = torch.device(device or load.device)
-    dtype = load.torch_dtype
-    backends = backends_of(config, where)
-    if speculative.model is not None:
-        model, draft = load_with_draft(load.model, speculative.model, dtype, where, load.quantization, tp,
-                                       backends)  # fmt: skip
-    else:
-        model, draft = load_target(load.model, dtype, where, load.quantization, tp, backends), None
-    cache, shapes = config.cache, shapes_of(config, ModelConfig.from_dir(load.model))
-    return ModelRunner(
-        model, shapes, draft, compiles(config, where), config.compilation.cuda_graphs,
-        cache.torch_dtype(dtype), cache.kv_cache_memory_bytes, cache.gpu_memory_utilization,
-    )  # fmt: skip
+    where = torch.device(device or config.load.device)
+    model, draft = build_models(config, tp, where)
+    return runner_of(config, model, draft, compiles(config, where))
+
+
+def build_single(config: EngineConfig, progress: bool = True) -> ModelRunner | BackgroundCompile:
+    """The runner of a one-process engine; when it compiles in the background (EngineConfig's
+    compiles_in_background), an eager runner that switches to its compiled twin once that is ready."""
+    where = torch.device(config.load.device)
+    if not config.compiles_in_background(compiles(config, where)):
+        return build_runner(config, SINGLE)
+    model, draft = build_models(config, SINGLE, where)
+    eager = runner_of(config, model, draft, compile=False)
+    return BackgroundCompile(eager, lambda: runner_of(config, model, draft, True, kv_of=eager), progress)

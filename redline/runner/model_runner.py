@@ -43,9 +43,12 @@ class ModelRunner:
         kv_cache_dtype: torch.dtype | None = None,  # None: the model's; torch.float8_e4m3fn halves it
         kv_cache_memory: int | None = None,  # bytes of KV blocks (None: engine defaults, kv_budget.py)
         gpu_memory_utilization: float = 0.9,  # CUDA without kv_cache_memory: the device's share
+        kv_of: ModelRunner | None = None,  # a runner of the same model whose KV pool this one shares
     ):
         """shapes.k > 0 needs a draft. The model's layers got their kernels when they were built
-        (layers/backends.py); compile wraps the step and the prefill in torch.compile."""
+        (layers/backends.py); compile wraps the step and the prefill in torch.compile. With kv_of, this
+        runner reads and writes that runner's KV blocks (its own block table, state and sampling
+        tensors: runner/background_compile.py builds a compiled twin of an eager runner this way)."""
         if (draft is None) != (shapes.k == 0):
             raise ValueError(f"draft length {shapes.k} with {'no' if draft is None else 'a'} draft")
         self.model, self.draft, self.shapes = model, draft, shapes
@@ -61,13 +64,21 @@ class ModelRunner:
         draft_vocab = draft.config.draft_vocab_size if draft is not None else None
         state = DecodeState.empty(shapes.slots, shapes.k, model.config.vocab_size, draft_vocab, self.device)
         sampling = SamplingTensors.zeros(shapes.slots, self.device)
-        self.num_blocks = self._pool_blocks(kv_cache_memory, gpu_memory_utilization)
+        if kv_of is None:
+            self.num_blocks = self._pool_blocks(kv_cache_memory, gpu_memory_utilization)
+        else:
+            self.num_blocks = kv_of.num_blocks
         blocks = self.num_blocks + 1  # and the cache's scratch block
-        cache = KVCache(model.config, shapes.slots, shapes.cache_len, kv_dtype, self.device, blocks)
+        target_layers = draft_layers = None
+        if kv_of is not None:
+            target_layers = kv_of.cache.layers
+            draft_layers = None if kv_of.slots.draft_cache is None else kv_of.slots.draft_cache.layers
+        cache = KVCache(model.config, shapes.slots, shapes.cache_len, kv_dtype, self.device, blocks,
+                        target_layers)  # fmt: skip
         draft_cache = None
         if draft is not None:
             draft_cache = KVCache(draft.config.layer, shapes.slots, shapes.cache_len, kv_dtype, self.device,
-                                  blocks)  # fmt: skip
+                                  blocks, draft_layers)  # fmt: skip
             draft_cache.table = cache.table  # the same positions: the same blocks
         self.slots = DeviceSlots(cache, draft_cache, state, sampling)
         emitter = Emitter(model, draft, shapes.k)

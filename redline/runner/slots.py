@@ -36,6 +36,15 @@ class DeviceSlots:
         for setup in plan.admitted:
             self.set_up(setup)
 
+    def copy_from(self, other: DeviceSlots) -> None:
+        """Takes over another runner's per-slot state (block tables, decode state, sampling) in place; the
+        KV blocks themselves are shared (ModelRunner's kv_of)."""
+        mine = [self.cache.table, *vars(self.state).values(), *vars(self.sampling).values()]
+        theirs = [other.cache.table, *vars(other.state).values(), *vars(other.sampling).values()]
+        for to, source in zip(mine, theirs, strict=True):
+            if to is not None:
+                to.copy_(source)
+
     def release(self, slot: int) -> None:
         """The slot stops decoding; its table row points at the scratch block again."""
         self.state.active[slot] = False

@@ -15,6 +15,7 @@ are read.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -45,7 +46,12 @@ def step_keys_to_run(runner: ModelRunner) -> list[tuple[int, int, bool]]:
 
 
 @torch.inference_mode()
-def warm_up(runner: ModelRunner, progress: bool = True) -> None:
+def warm_up(
+    runner: ModelRunner, progress: bool = True, prompt: bool = True, stop: threading.Event | None = None
+) -> bool:
+    """prompt=False leaves out the eager prompt run, which writes the pool's first blocks: a runner that
+    shares its KV pool with one serving requests (runner/background_compile.py) touches only the scratch
+    block. stop: checked between shapes; once set, the warm-up returns False, unfinished (not frozen)."""
     shapes = runner.shapes
     work: list[tuple[str, Callable[[], object]]] = []
     if runner.compiled_prefill is not None:
@@ -55,14 +61,18 @@ def warm_up(runner: ModelRunner, progress: bool = True) -> None:
     for rows, kv_len, sampling in step_keys_to_run(runner):
         key = (rows, kv_len, sampling)
         work.append((f"step {rows}x{kv_len}", lambda key=key: runner.run_step(*key)))
-    work.append(("prompt", lambda: _prompt(runner)))
+    if prompt:
+        work.append(("prompt", lambda: _prompt(runner)))
     with tqdm(work, desc="compiling" if runner.compiled_step else "capturing", disable=not progress) as bar:
         for name, run in bar:
+            if stop is not None and stop.is_set():
+                return False
             bar.set_postfix_str(name)
             run()
     for stage in (runner.compiled_prefill, runner.compiled_step, runner.graphed_step):
         if stage is not None:
             stage.freeze()
+    return True
 
 
 def _prefill(runner: ModelRunner, rows: int, length: int) -> None:

@@ -39,11 +39,8 @@ EventQueue = asyncio.Queue[tuple[Choice, Event]]  # a request's events, each wit
 class Server:
     """The app's state: the engine loop, the served model's name, limits, metrics."""
 
-    def __init__(
-        self, llm: LLM, model_name: str, api_key: str | None = None, max_queue: int = 64,
-        max_body: int = MAX_BODY_BYTES,
-    ):  # fmt: skip
-        self.llm, self.model_name, self.api_key, self.max_body = llm, model_name, api_key, max_body
+    def __init__(self, llm: LLM, model_name: str, api_key: str | None = None, max_queue: int = 64):
+        self.llm, self.model_name, self.api_key = llm, model_name, api_key
         self.metrics = Metrics()
         self.engine = EngineLoop(llm, max_queue, on_step=self._gauges)
         self.created = int(time.time())
@@ -63,16 +60,16 @@ class Server:
             raise APIError(401, message, kind="authentication_error")
 
     async def read_json(self, http: Request) -> Any:
-        """The request's JSON body, once its API key is checked; a body over max_body bytes is a 413."""
+        """The request's JSON body, once its API key is checked; a body over MAX_BODY_BYTES is a 413."""
         self.check_key(http)
         declared = http.headers.get("content-length", "")
-        too_big = APIError(413, f"request body over {self.max_body} bytes")
-        if declared.isdigit() and int(declared) > self.max_body:
+        too_big = APIError(413, f"request body over {MAX_BODY_BYTES} bytes")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
             raise too_big
         body = bytearray()
         async for chunk in http.stream():
             body += chunk
-            if len(body) > self.max_body:
+            if len(body) > MAX_BODY_BYTES:
                 raise too_big
         return protocol.parse_json(bytes(body))
 
@@ -192,9 +189,7 @@ def create_app(server: Server, start_engine: bool = True) -> FastAPI:
         if start_engine:
             server.engine.stop()
 
-    app = FastAPI(
-        title="redline", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json"
-    )
+    app = FastAPI(title="redline", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = server
     app.openapi = lambda: openapi_schema(
         model=server.model_name,

@@ -165,16 +165,13 @@ class EngineLoop:
             request.fail(str(e))
             self._deliver(request, "")
 
-    def _settle_queue(self) -> None:
-        """Counts requests that left the queue: admitted into a slot, or finished (cancelled, failed)."""
+    def _deliver_all(self, events: Events) -> None:
+        """Delivers a step's events, after counting the requests that left the queue (admitted into a slot,
+        or finished: cancelled, failed), so that a client answered can submit again at once."""
         left = {r for r in self._queued if r.slot is not None or r.finished}
         self._queued -= left
         with self._lock:
             self.queue_depth -= len(left)
-
-    def _deliver_all(self, events: Events) -> None:
-        """Delivers a step's events, after counting the queue (a client answered can submit again at once)."""
-        self._settle_queue()
         for request, text in events:
             self._deliver(request, text)
 

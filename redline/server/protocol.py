@@ -42,6 +42,8 @@ TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 NonEmpty = Annotated[str, Field(min_length=1)]
 Probability = Annotated[float, Field(ge=0, le=1)]
 Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
+Temperature = Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)]
+RepetitionPenalty = Annotated[float, Field(gt=0, le=MAX_REPETITION_PENALTY)]
 TopLogprobs = Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)]
 
 
@@ -108,9 +110,7 @@ class Sampling(Body):
     stream_options: StreamOptions | None = Field(None, description="only with stream: true")
     stop: Stop | None = None
     seed: Int | None = None
-    temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)] | None = Field(
-        1.0, description="0: greedy"
-    )
+    temperature: Temperature | None = Field(1.0, description="0: greedy")
     top_p: Annotated[float, Field(gt=0, le=1)] | None = 1.0
     top_k: Annotated[Int, Field(ge=0, le=MAX_TOP_K)] | None = Field(0, description="0: off")
     min_p: Probability | None = 0.0
@@ -118,9 +118,7 @@ class Sampling(Body):
     n: Annotated[Int, Field(ge=1, le=MAX_N)] | None = Field(1, description="samples of each prompt")
     presence_penalty: Penalty | None = 0.0
     frequency_penalty: Penalty | None = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0, le=MAX_REPETITION_PENALTY)] | None = Field(
-        1.0, description="1: off"
-    )
+    repetition_penalty: RepetitionPenalty | None = Field(1.0, description="1: off")
     response_format: ResponseFormat | None = None
     tool_choice: Literal["none"] | None = None
     user: str | None = None

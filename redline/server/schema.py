@@ -210,9 +210,8 @@ def _bound(node: Any, model: str | None, max_model_len: int | None, vocab_size: 
 
 
 def openapi_schema(
-    title: str = "redline", *, model: str | None = None, max_model_len: int | None = None,
-    vocab_size: int | None = None,
-) -> dict:  # fmt: skip
+    *, model: str | None = None, max_model_len: int | None = None, vocab_size: int | None = None
+) -> dict:
     """The API's OpenAPI 3.1 document. Given the served model's id, context window and vocabulary size,
     `model`, max_tokens and token ids are narrowed to the values this server accepts."""
     models = [m for op in OPERATIONS for m in op[3:6] if m is not None] + [ErrorResponse]
@@ -241,7 +240,7 @@ def openapi_schema(
         paths.setdefault(path, {})[method] = operation
     return {
         "openapi": "3.1.0",
-        "info": {"title": title, "version": __version__, "description": "An OpenAI-compatible API."},
+        "info": {"title": "redline", "version": __version__, "description": "An OpenAI-compatible API."},
         "paths": paths,
         "components": {"schemas": components},
     }

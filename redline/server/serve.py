@@ -41,14 +41,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         raise ValueError(
             "no model given: redline serve MODEL (a directory, a .gguf file or a hub id ORG/NAME)"
         )
-    config = config_from_args(args, model=model)
+    config = config_from_args(args, model=model).answering_at_once()
     if args.no_speculation:
         config = dataclasses.replace(config, speculative=dataclasses.replace(config.speculative, model=None))
     return config
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -94,7 +90,7 @@ def serve(args: argparse.Namespace) -> int:
 
     thread = threading.Thread(target=run_http, name="redline-http", daemon=True)
     thread.start()
-    signal.signal(signal.SIGTERM, _interrupt)  # `kill` shuts down like Ctrl-C
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` shuts down like Ctrl-C
     try:
         died = not server.engine.run()  # the model stays on the main thread
     except KeyboardInterrupt:

@@ -44,8 +44,7 @@ def split_stdlib() -> tuple[list[str], list[str]]:
 
 def token_stream(encoded: list[list[int]], separator: int) -> torch.Tensor:
     """Documents joined into one 1-D stream: [a0 a1] [b0] -> [a0 a1 sep b0 sep]."""
-    ids = [token for doc in encoded for token in [*doc, separator]]
-    return torch.tensor(ids, dtype=torch.int64)
+    return torch.tensor([token for doc in encoded for token in [*doc, separator]], dtype=torch.int64)
 
 
 def step_generator(seed: int, step: int) -> torch.Generator:

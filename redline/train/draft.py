@@ -94,8 +94,7 @@ def answer_prompts(
     OUT/samples.pt holds the answers finished so far and is continued."""
     path = out / "samples.pt"
     saved = torch.load(path, weights_only=True) if path.is_file() else {"samples": {}, "seconds": 0.0}
-    tokenizer = Tokenizer.from_dir(target_dir)
-    prompts, sources, chat = source_prompts(source, tokenizer, recipe)
+    prompts, sources, chat = source_prompts(source, Tokenizer.from_dir(target_dir), recipe)
     if budget_s is None:
         prompts = prompts[: recipe.num_prompts]
     llm = LLM(target_dir, dtype=compute_dtype(), max_num_seqs=recipe.regen_batch,

@@ -8,13 +8,7 @@ import contextlib
 
 import torch
 
-
-def fast_bf16(device: str | torch.device = "cpu") -> bool:
-    """CUDA with bf16, or a CPU with AVX-512 BF16 or AMX tiles, as torch's own CPU feature detection
-    (what inductor asks) reports them."""
-    if torch.device(device).type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+from redline.engine_config import fast_bf16
 
 
 def compute_dtype(device: str | torch.device = "cpu") -> torch.dtype:

@@ -48,18 +48,23 @@ def normal_init(module: torch.nn.Module, std: float = 0.02, generator: torch.Gen
                 p.normal_(0.0, std, generator=generator)
 
 
-def write_random_checkpoint(out_dir: str | Path, config: dict, seed: int = 0) -> None:
-    """config.json + model.safetensors with N(0, 0.02) weights and unit norms."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(ModelConfig.from_dict(config))
-    normal_init(model)
+def save_model(model: torch.nn.Module, config: dict, out: Path) -> None:
+    """config.json + model.safetensors (without lm_head.weight when tied to the embeddings)."""
     state = model.state_dict()
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight")
     save_weights(state, out)
     (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def write_random_checkpoint(out_dir: str | Path, config: dict, seed: int = 0) -> None:
+    """A model of `config` with N(0, 0.02) weights and unit norms, saved by save_model."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(ModelConfig.from_dict(config))
+    normal_init(model)
+    save_model(model, config, out)
 
 
 def write_random_model(out_dir: str | Path, vocab_size: int = 512, seed: int = 0, **overrides) -> Path:

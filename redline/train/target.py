@@ -15,12 +15,11 @@ import torch.nn.functional as F
 
 from redline.config import ModelConfig
 from redline.models.llama import LlamaForCausalLM
-from redline.models.loader import save_weights
 from redline.tokenizer import Tokenizer
 from redline.train import data
 from redline.train.bpe import train_bpe_tokenizer
 from redline.train.loop import Schedule, train
-from redline.train.random_init import llama3_config, normal_init
+from redline.train.random_init import llama3_config, normal_init, save_model
 
 
 @dataclass(frozen=True)
@@ -51,11 +50,9 @@ def causal_lm_loss(model: LlamaForCausalLM, window: torch.Tensor) -> torch.Tenso
 
 
 @torch.no_grad()
-def held_out_loss(
-    model: LlamaForCausalLM, stream: torch.Tensor, seq_len: int, max_windows: int = 64
-) -> float:
-    """Mean next-token loss over consecutive windows of the held-out stream."""
-    count = min(max_windows, (len(stream) - 1) // seq_len)
+def held_out_loss(model: LlamaForCausalLM, stream: torch.Tensor, seq_len: int) -> float:
+    """Mean next-token loss over consecutive windows (at most 64) of the held-out stream."""
+    count = min(64, (len(stream) - 1) // seq_len)
     windows = (stream[i * seq_len : (i + 1) * seq_len + 1][None] for i in range(count))
     return sum(causal_lm_loss(model, w).item() for w in windows) / count
 
@@ -74,8 +71,6 @@ def train_target(out: Path, recipe: TargetRecipe = TargetRecipe(), resume: bool 
         num_hidden_layers=recipe.num_layers,
         num_attention_heads=recipe.num_heads,
         num_key_value_heads=recipe.num_kv_heads,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
     )
     eos = config["eos_token_id"]
     stream = data.token_stream([tokenizer.encode(t) for t in train_texts], eos)
@@ -91,7 +86,9 @@ def train_target(out: Path, recipe: TargetRecipe = TargetRecipe(), resume: bool 
     schedule = Schedule(recipe.steps, recipe.lr, recipe.warmup, recipe.weight_decay, save_every=200)
     log = train(model, step_loss, schedule, out / "checkpoint.pt", resume, desc="train-target")
     eval_loss = held_out_loss(model, held_out, recipe.seq_len)
-    save_target(model, config, out, eos)
+    save_model(model, config, out)
+    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": eos, "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
     summary = {
         "recipe": asdict(recipe),
         "parameters": sum(p.numel() for p in model.parameters()),
@@ -113,11 +110,3 @@ def _init_weights(model: LlamaForCausalLM, num_layers: int) -> None:
             if name.endswith(("o_proj.weight", "down_proj.weight")):
                 p.div_(math.sqrt(2 * num_layers))
     model.finish_loading()
-
-
-def save_target(model: LlamaForCausalLM, config: dict, out: Path, eos: int) -> None:
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    save_weights(state, out)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": eos, "do_sample": False}
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2))

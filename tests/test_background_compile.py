@@ -1,0 +1,106 @@
+"""Serving eagerly while the compiled graphs build in a background thread (runner/background_compile.py):
+a request started eagerly continues on the compiled runner, the switch compiles nothing more, and a
+failed compile leaves the eager runner serving."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+import torch._dynamo
+import torch._dynamo.utils
+from conftest import build_hf_model, greedy_divergence_is_a_near_tie, llama3_hf_config, save_hf_model
+
+from redline import LLM, SamplingParams
+from redline.engine_config import EngineConfig
+from redline.runner import background_compile
+from redline.train.random_init import write_random_draft
+
+CONTEXT = 160
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, tokenizer_dir):
+    root = tmp_path_factory.mktemp("background")
+    target = save_hf_model(build_hf_model(llama3_hf_config(), seed=11), root / "t", tokenizer_dir)
+    return target, write_random_draft(target, root / "d")
+
+
+def options(draft) -> dict:
+    return dict(dtype="float32", max_num_seqs=1, max_model_len=CONTEXT, draft=draft, num_speculative_tokens=2,
+                progress=False)  # fmt: skip
+
+
+def test_a_request_started_eagerly_finishes_on_the_compiled_runner(pair, monkeypatch):
+    target, draft = pair
+    gate, warm_up = threading.Event(), background_compile.warm_up
+
+    def gated(*args, **kwargs) -> bool:  # the compile starts once the eager steps below have run
+        gate.wait()
+        return warm_up(*args, **kwargs)
+
+    monkeypatch.setattr(background_compile, "warm_up", gated)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    llm = LLM(target, compile=True, compile_in_background=True, **options(draft))
+    assert not llm.executor.compiled and llm.runner.compiled_step is None  # answering eagerly at once
+    prompt = torch.randint(5, 384, (30,)).tolist()
+    params = SamplingParams(max_tokens=CONTEXT - 40, ignore_eos=True)
+    stream = llm.stream(prompt, params)
+    pieces = iter(stream)
+    for _ in range(3):
+        next(pieces)  # prefill and a few steps on the eager runner
+    assert not llm.executor.compiled
+    gate.set()
+    assert llm.wait_compiled(timeout=900)
+    rest = list(pieces)  # the switch happens at the next step, the request still in its slot
+    assert rest and llm.executor.compiled and llm.runner.compiled_step is not None
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a prefill shape the warm-up missed would run eagerly, warning
+        again = llm.generate([prompt], params)[0]  # wholly compiled
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # every shape was compiled
+    eager = LLM(target, compile=False, **options(draft))
+    [want] = eager.generate([prompt], params)
+    for got in (stream.completion, again):
+        assert len(got.token_ids) == CONTEXT - 40
+        assert greedy_divergence_is_a_near_tie(eager.model, prompt, got.token_ids, want.token_ids)
+
+
+def test_a_failed_compile_leaves_the_eager_runner_serving(pair, monkeypatch, capsys):
+    target, draft = pair
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("inductor is out of order")
+
+    monkeypatch.setattr(background_compile, "warm_up", broken)
+    llm = LLM(target, compile=True, compile_in_background=True, **{**options(draft), "progress": True})
+    assert not llm.wait_compiled(timeout=60)  # finished, failed
+    prompt = torch.randint(5, 384, (12,)).tolist()
+    [got] = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert len(got.token_ids) == 8 and not llm.executor.compiled
+    assert isinstance(llm.executor.error, RuntimeError)
+    assert "background compile failed (RuntimeError: inductor is out of order); running eagerly" in (
+        capsys.readouterr().err
+    )
+
+
+def test_when_the_engine_compiles_in_the_background():
+    cpu = EngineConfig.create("M")
+    assert not cpu.compiles_in_background(True)  # LLM(): every shape before the first request
+    served = cpu.answering_at_once()  # redline generate / serve: at once, compile left to its CPU default
+    assert served.compiles_in_background(True)
+    assert not served.compiles_in_background(False)  # REDLINE_COMPILE=0, say: nothing to compile
+    for kept in (dict(compile=True), dict(compile_in_background=False), dict(tensor_parallel_size=2)):
+        config = EngineConfig.create("M", **kept)
+        assert config.answering_at_once() == config, kept
+    assert EngineConfig.create("M", compile=True, compile_in_background=True).compiles_in_background(True)
+    for wrong, message in [
+        (dict(tensor_parallel_size=2), "runs on one process"),
+        (dict(compile=False), "needs compile"),
+        (dict(device="cuda"), "is for CPU compile"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            EngineConfig.create("M", compile_in_background=True, **wrong)
