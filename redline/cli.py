@@ -15,6 +15,9 @@ from pathlib import Path
 
 from redline.engine_flags import add_engine_args, config_from_args
 
+if typing.TYPE_CHECKING:
+    from redline.engine.request import Completion
+
 ONE_SLOT = {"max_num_seqs": 1}  # generate completes one prompt: one slot, the fewest shapes to compile
 
 
@@ -32,12 +35,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.chat}]) if args.chat else args.prompt
-    stream = llm.stream(prompt, params)
-    for piece in stream:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-    c = stream.completion
-    print()
+    try:
+        stream = llm.stream(prompt, params)
+        for piece in stream:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        print()
+        print(_summary(stream.completion), file=sys.stderr)
+    finally:
+        llm.close()  # a compile in the background stops; tensor-parallel workers end
+    return 0
+
+
+def _summary(c: Completion) -> str:
     summary = (
         f"[redline] prompt tokens: {c.prompt_tokens} | generated tokens: {c.completion_tokens} "
         f"| finish: {c.finish_reason} | time to first token: {c.ttft_s * 1000:.1f} ms "
@@ -46,9 +56,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if c.acceptance_length is not None:
         rates = ", ".join(f"{r:.2f}" for r in c.acceptance_rates or [])
         summary += f" | acceptance length: {c.acceptance_length:.2f} (per position: {rates})"
-    print(summary, file=sys.stderr)
-    llm.close()
-    return 0
+    return summary
 
 
 def cmd_info(args: argparse.Namespace) -> int:

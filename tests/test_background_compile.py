@@ -104,3 +104,20 @@ def test_when_the_engine_compiles_in_the_background():
     ]:
         with pytest.raises(ValueError, match=message):
             EngineConfig.create("M", compile_in_background=True, **wrong)
+
+
+def test_close_stops_the_compile_at_its_next_shape(pair, monkeypatch):
+    target, draft = pair
+    gate, warm_up = threading.Event(), background_compile.warm_up
+
+    def gated(*args, **kwargs) -> bool:  # stands for a shape still compiling when close() is called
+        gate.wait()
+        return warm_up(*args, **kwargs)
+
+    monkeypatch.setattr(background_compile, "warm_up", gated)
+    llm = LLM(target, compile=True, compile_in_background=True, **options(draft))
+    threading.Timer(2.0, gate.set).start()
+    llm.close()  # waits for the shape in progress, then the warm-up stops before the next one
+    assert not llm.executor._thread.is_alive() and not llm.wait_compiled(timeout=0)
+    [got] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(got.token_ids) == 4 and not llm.executor.compiled  # still serving, eagerly

@@ -81,8 +81,8 @@ class BackgroundCompile:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Blocks until the background compile has finished; True when it succeeded (the switch happens at
-        the next execute()), False when it failed (`error` says why) or timeout seconds passed."""
-        return self._done.wait(timeout) and self.error is None
+        the next execute()), False when it failed (`error` says why), was closed, or timed out."""
+        return self._done.wait(timeout) and self.compile_s is not None
 
     def _switch(self) -> None:
         compiled, self._compiled = self._compiled, None
@@ -105,6 +105,11 @@ class BackgroundCompile:
         return None
 
     def close(self) -> None:
-        """Stops the compile at its next shape and waits for it (a shape being compiled finishes first)."""
+        """Stops the compile at its next shape and waits for the shape in progress (up to about 20 s for
+        SmolLM2): a process that exits with the thread inside torch's C++ code aborts ("terminate called
+        without an active exception")."""
         self._stop.set()
-        self._thread.join()
+        self._thread.join(timeout=1.0)
+        if self._thread.is_alive():
+            self._say("stopping the background compile: finishing the shape in progress")
+            self._thread.join()
