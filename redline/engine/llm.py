@@ -110,6 +110,8 @@ class LLM:
             weakref.finalize(self, self.executor.close)
         else:
             self.executor = build_single(config, progress)
+            if isinstance(self.executor, BackgroundCompile):  # at exit, the compile thread stops first
+                weakref.finalize(self, self.executor.close)
         self.warmup_s = 0.0  # compiling and capturing every prefill and step shape, before any request
         if not isinstance(self.executor, BackgroundCompile) and needs_warm_up(self.runner):
             start = time.perf_counter()
