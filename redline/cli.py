@@ -63,7 +63,6 @@ def cmd_info(args: argparse.Namespace) -> int:
     import torch
 
     from redline.config import ModelConfig
-    from redline.engine_config import fast_dtype
     from redline.models.source import local_model
     from redline.runner.build import backends_of
 
@@ -91,7 +90,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         pattern.append(f"{attn}+{'moe' if i in c.moe_layers else 'dense'}")
     print("layers: " + " ".join(f"{i}:{p}" for i, p in enumerate(pattern)))
     device = torch.device(config.load.device)
-    dtype = config.load.dtype or fast_dtype(device)
+    dtype = config.load.given_or_fast_dtype
     resolved = dataclasses.replace(
         config, load=dataclasses.replace(config.load, model=str(model_dir), dtype=dtype)
     )

@@ -166,7 +166,8 @@ def run_demo(
     spec, spec_warm = timed_llm(target, draft=draft, num_speculative_tokens=k, **common)
     params = SamplingParams(max_tokens=max_tokens)
     runs: dict[str, list[tuple[Completion, Completion]]] = {}
-    for i, p in enumerate(demo_prompts(plain.tokenizer, num_prompts)):
+    prompts = demo_prompts(plain.tokenizer, num_prompts)
+    for i, p in enumerate(prompts):
         question = p.question if len(p.question) <= 400 else p.question[:400] + " [...]"
         print(f"\n{BOLD}--- {p.source} {i % num_prompts + 1}{RESET} " + "-" * 60 + f"\n{question}\n")
         print(f"{DIM}plain:{RESET}")
@@ -181,8 +182,7 @@ def run_demo(
     result = {source: summarize(pairs) for source, pairs in runs.items()}
     result["all"] = summarize([pair for pairs in runs.values() for pair in pairs])
     result["warmup_s"] = {"plain": plain_warm, "eagle3": spec_warm}
-    result["llama_cpp_tps"] = llama_cpp_speed([p.ids for p in demo_prompts(plain.tokenizer, num_prompts)],
-                                              max_tokens)  # fmt: skip
+    result["llama_cpp_tps"] = llama_cpp_speed([p.ids for p in prompts], max_tokens)
     mode = "compiled" if compile else "eager"
     print(f"\n[redline] SmolLM2-135M-Instruct, batch 1, greedy, {mode} {dtype}, EAGLE-3 K={k}:")
     for source in (*runs, "all"):

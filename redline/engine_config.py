@@ -10,8 +10,8 @@ command line through `engine_flags.add_engine_args` (the flags are generated fro
     EngineConfig.create("DIR", max_batch=8, prefix_caching=False)          # the same, redline's names
 
 Values that depend on the model or the machine (dtype "auto" or unset, the context window, where a hub
-id lives) are resolved
-when the engine is built (models/source.py), never here: this module reads no file.
+id lives) are resolved when the engine is built (models/source.py), never here: this module reads no
+file.
 """
 
 from __future__ import annotations
@@ -116,10 +116,14 @@ class LoadConfig:
                  f"unknown device {self.device!r}: cpu | cuda | cuda:N")  # fmt: skip
 
     @property
+    def given_or_fast_dtype(self) -> str:
+        """The dtype asked for, or when unset the device's fast one; "auto" stays (the checkpoint's)."""
+        return self.dtype or fast_dtype(self.device)
+
+    @property
     def torch_dtype(self) -> torch.dtype:
-        """The activations' dtype (FP8 weights compute in bfloat16); "auto" and None resolve to the same
-        dtype as models/source.resolve gives them only with the checkpoint at hand, so they are not
-        resolved here."""
+        """The activations' dtype (FP8 weights compute in bfloat16); "auto" and unset are resolved with the
+        model (models/source.resolve) first."""
         if self.dtype in ("auto", None):
             raise ValueError(f"dtype {self.dtype!r} is resolved when the model is found (models/source.py)")
         return torch.bfloat16 if self.dtype == "fp8" else parse_dtype(self.dtype)

@@ -19,13 +19,30 @@ from redline.runner import background_compile
 from redline.train.random_init import write_random_draft
 
 CONTEXT = 160
+LONG_CONTEXT = 2200
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory, tokenizer_dir):
     root = tmp_path_factory.mktemp("background")
-    target = save_hf_model(build_hf_model(llama3_hf_config(), seed=11), root / "t", tokenizer_dir)
+    config = llama3_hf_config(max_position_embeddings=LONG_CONTEXT)
+    target = save_hf_model(build_hf_model(config, seed=11), root / "t", tokenizer_dir)
     return target, write_random_draft(target, root / "d")
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    """The background compile starts only once the test sets this (and at teardown, so that a failed test
+    leaves no compile thread waiting)."""
+    opened, warm_up = threading.Event(), background_compile.warm_up
+
+    def gated(*args, **kwargs) -> bool:
+        opened.wait()
+        return warm_up(*args, **kwargs)
+
+    monkeypatch.setattr(background_compile, "warm_up", gated)
+    yield opened
+    opened.set()
 
 
 def options(draft) -> dict:
@@ -33,15 +50,8 @@ def options(draft) -> dict:
                 progress=False)  # fmt: skip
 
 
-def test_a_request_started_eagerly_finishes_on_the_compiled_runner(pair, monkeypatch):
+def test_a_request_started_eagerly_finishes_on_the_compiled_runner(pair, gate):
     target, draft = pair
-    gate, warm_up = threading.Event(), background_compile.warm_up
-
-    def gated(*args, **kwargs) -> bool:  # the compile starts once the eager steps below have run
-        gate.wait()
-        return warm_up(*args, **kwargs)
-
-    monkeypatch.setattr(background_compile, "warm_up", gated)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     llm = LLM(target, compile=True, compile_in_background=True, **options(draft))
@@ -67,6 +77,33 @@ def test_a_request_started_eagerly_finishes_on_the_compiled_runner(pair, monkeyp
     for got in (stream.completion, again):
         assert len(got.token_ids) == CONTEXT - 40
         assert greedy_divergence_is_a_near_tie(eager.model, prompt, got.token_ids, want.token_ids)
+
+
+def test_a_chunked_2000_token_prefill_switches_between_its_chunks(pair, gate):
+    """A 2,000-token prompt in chunks of 512: the first chunk is prefilled eagerly, the compile finishes,
+    and the other chunks and the decode run on the compiled runner over the keys the eager one wrote."""
+    target, draft = pair
+    kw = {**options(draft), "max_model_len": LONG_CONTEXT, "max_num_batched_tokens": 512}
+    llm = LLM(target, compile=True, compile_in_background=True, **kw)
+    prompt = torch.randint(5, 384, (2000,)).tolist()
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    request = llm.make_request(prompt, params)
+    llm.engine.add(request)
+    llm.engine.step()  # the first chunk, eagerly
+    assert not llm.executor.compiled and not request.output_ids
+    assert 0 < request.computed < len(prompt)  # part of the prompt's keys written eagerly
+    gate.set()
+    assert llm.wait_compiled(timeout=900)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a chunk shape the warm-up missed would run eagerly, warning
+        while not request.finished:
+            llm.engine.step()
+    assert llm.executor.compiled
+    got = request.completion()
+    eager = LLM(target, compile=False, **kw)
+    [want] = eager.generate([prompt], params)
+    assert len(got.token_ids) == 48
+    assert greedy_divergence_is_a_near_tie(eager.model, prompt, got.token_ids, want.token_ids)
 
 
 def test_a_failed_compile_leaves_the_eager_runner_serving(pair, monkeypatch, capsys):
@@ -106,15 +143,8 @@ def test_when_the_engine_compiles_in_the_background():
             EngineConfig.create("M", compile_in_background=True, **wrong)
 
 
-def test_close_stops_the_compile_at_its_next_shape(pair, monkeypatch):
+def test_close_stops_the_compile_at_its_next_shape(pair, gate):
     target, draft = pair
-    gate, warm_up = threading.Event(), background_compile.warm_up
-
-    def gated(*args, **kwargs) -> bool:  # stands for a shape still compiling when close() is called
-        gate.wait()
-        return warm_up(*args, **kwargs)
-
-    monkeypatch.setattr(background_compile, "warm_up", gated)
     llm = LLM(target, compile=True, compile_in_background=True, **options(draft))
     threading.Timer(2.0, gate.set).start()
     llm.close()  # waits for the shape in progress, then the warm-up stops before the next one

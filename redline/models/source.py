@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from redline.engine_config import DTYPES, EngineConfig, fast_dtype, parse_dtype
+from redline.engine_config import DTYPES, EngineConfig, parse_dtype
 from redline.models import hub
 
 
@@ -47,14 +47,12 @@ def resolve(config: EngineConfig, progress: bool = True) -> EngineConfig:
     load, speculative = config.load, config.speculative
     if load.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {load.device!r} requested but CUDA is not available")
-    dtype, quantization = load.dtype, load.quantization
+    dtype, quantization = load.given_or_fast_dtype, load.quantization
     if dtype == "fp8":
         dtype, quantization = "bfloat16", "fp8"
     found = hub.resolve(load.model, load.revision)
     if dtype == "auto":
         dtype = checkpoint_dtype(found)
-    elif dtype is None:
-        dtype = fast_dtype(load.device)
     model_dir = local_model(found, dtype=parse_dtype(dtype), progress=progress)
     load = dataclasses.replace(load, model=str(model_dir), dtype=dtype, quantization=quantization)
     if speculative.model is not None:

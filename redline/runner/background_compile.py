@@ -9,8 +9,8 @@ sampling tensors. Its warm-up writes only the scratch block of the shared pool: 
 and the eager prompt run (which writes real blocks) is left out. Once it has compiled every shape, the
 next execute() copies the eager runner's per-slot state into it (DeviceSlots.copy_from: tables, decode
 state with the penalty counts [slots, V], sampling: about 1 MB at 4 slots of SmolLM2) and runs on it from
-then on. Requests in flight continue where they
-were: their keys and values are already in the shared pool.
+then on. Requests in flight continue where they were: their keys and values are already in the shared
+pool.
 
 If the compile fails, the error is logged and the eager runner keeps serving.
 """
