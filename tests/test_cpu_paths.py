@@ -9,6 +9,7 @@ import torch._dynamo
 import torch._dynamo.utils
 import torch.nn.functional as F
 
+from redline.kernels import cpu_ops
 from redline.kernels.attention_core import attention_by_reductions, sdpa_attention
 from redline.layers import backends
 from redline.layers.backends import TORCH, Backends
@@ -52,8 +53,10 @@ def test_attention_by_reductions_compiled_equals_sdpa(dtype, b, t, hq, hkv, s, c
 
 
 def test_cpu_backends_by_dtype_compile_and_the_cpus_vector_width(monkeypatch):
-    """Compiled: streamed rows for every float dtype, attention as reductions, one compile region per kind
-    of layer. Eager: F.linear, except fp32 on AMD CPUs and on CPUs without AVX-512 (W @ x^T); SDPA."""
+    """Without the C++ kernel (kernels/cpu_ops): compiled, streamed rows for every float dtype,
+    attention as reductions, one compile region per kind of layer; eager, F.linear, except fp32 on AMD CPUs
+    and on CPUs without AVX-512 (W @ x^T), and SDPA."""
+    monkeypatch.setattr(cpu_ops, "load", lambda: False)
     for dtype in (torch.float32, torch.bfloat16):
         compiled = Backends.choose("cpu", dtype, compiled=True)
         assert compiled.few_rows is streamed_rows and compiled.attention_core is attention_by_reductions

@@ -8,7 +8,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from redline.kernels.decode_attention import decode_attention, decode_attention_reference
+from redline.kernels.attention_core import decode_attention_reference
+from redline.kernels.decode_attention import decode_attention
 from redline.kernels.paged_kv import BLOCK, gather_blocks
 from redline.kernels.prefill_attention import prefill_attention, prefill_attention_reference
 from redline.kernels.rms_norm import add_rms_norm, add_rms_norm_reference

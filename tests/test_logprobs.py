@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import greedy_divergence_is_a_near_tie
 
 from redline import LLM, SamplingParams
 from redline.data import sharegpt
@@ -120,7 +121,7 @@ def test_smollm2_logprobs_of_a_long_prompt_and_its_completion_with_and_without_a
     """The real SmolLM2-135M-Instruct (fp32), a 2,000-token prompt of real ShareGPT text prefilled in chunks
     of 1,024 (each chunk's prompt logprobs computed 512 rows at a time), then 12 greedy tokens: every
     prompt and generated token's logprob, and its top 2, equal one whole forward of the sequence, with an
-    EAGLE-3 draft (K = 2) and without."""
+    EAGLE-3 draft (K = 2) and without (up to the first token where an fp32 near tie may split them)."""
     model_dir = gguf_model_dir(smollm2_gguf(), torch.float32, progress=False)
     draft = write_random_draft(model_dir, tmp_path / "draft")
     text = " ".join(m["content"] for c in sharegpt.conversations("train")[:40] for m in c.messages)
@@ -132,10 +133,14 @@ def test_smollm2_logprobs_of_a_long_prompt_and_its_completion_with_and_without_a
         prompt = llm.tokenizer.encode(text)[:2000]
         [out] = llm.generate([prompt], params)
         runs.append(out)
-    assert runs[0].token_ids == runs[1].token_ids
+    # fp32 products of 1 row (plain) and K + 1 rows (verify) round differently: equal, or a near tie
+    plain_ids, spec_ids = runs[0].token_ids, runs[1].token_ids
+    assert greedy_divergence_is_a_near_tie(llm.model, prompt, spec_ids, plain_ids)
+    pairs = enumerate(zip(plain_ids, spec_ids, strict=True))
+    agreed = next((i for i, (a, b) in pairs if a != b), len(plain_ids))  # tokens equal before this
     assert len(runs[1].prompt_logprobs) == len(prompt)
-    sequence = prompt + runs[0].token_ids
+    sequence = prompt + spec_ids
     entries = runs[1].prompt_logprobs[1:] + runs[1].logprobs
     check_against_reference(llm, prompt[:1], sequence[1:], entries, 2)
-    plain = [e.logprob for e in runs[0].prompt_logprobs[1:] + runs[0].logprobs]
-    assert plain == pytest.approx([e.logprob for e in entries], abs=ATOL)
+    plain = [e.logprob for e in runs[0].prompt_logprobs[1:] + runs[0].logprobs[:agreed]]
+    assert plain == pytest.approx([e.logprob for e in entries[: len(plain)]], abs=ATOL)

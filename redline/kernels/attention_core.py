@@ -1,4 +1,5 @@
-"""Attention for the few queries of a decode step, written as reductions for inductor on CPU.
+"""Attention for the few queries of a decode step, written as reductions for inductor on CPU, and the
+definition every decode attention kernel is tested against (decode_attention_reference).
 
 SDPA's CPU kernel costs ~100 us per call for one query over 64 keys (BENCHMARKS.md "Compiled bf16
 decode"), more than the layer's weights take to stream. Written as broadcast products and sums,
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from redline.kernels.paged_kv import gather_blocks
 
 STEP_QUERIES = 9  # a decode step's queries: K + 1, K <= 8 draft tokens; more is a prompt
 
@@ -50,3 +53,30 @@ def attention_by_reductions(
     probs = scores.masked_fill(~mask[:, :, None], float("-inf")).softmax(-1)
     out = (probs[..., None] * values.float()[:, :, None, None]).sum(-2)  # [B, Hkv, G, T, D]
     return out.permute(0, 3, 1, 2, 4).reshape(b, t, hq, d).to(q.dtype)
+
+
+def step_mask(positions: torch.Tensor, kv_len: int, chunk: int = 0) -> torch.Tensor:
+    """[B, 1, T, kv_len] bool: query (b, t) sees keys up to its position (positions [B, T]), and with a
+    chunk size only those of its own chunk. Position 37, chunk 16: keys 32..37."""
+    key_pos = torch.arange(kv_len, device=positions.device)[None, None, None, :]
+    query_pos = positions[:, None, :, None]
+    mask = key_pos <= query_pos
+    if chunk:
+        mask &= key_pos >= query_pos - query_pos % chunk
+    return mask
+
+
+def decode_attention_reference(
+    q: torch.Tensor,  # [B, T, Hq, D]
+    k_cache: torch.Tensor,  # [blocks, Hkv, BLOCK, D]
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,  # [B, T] absolute positions of the queries
+    tables: torch.Tensor,  # [B, blocks per sequence] int32 (kernels/paged_kv.py)
+    kv_len: int,
+    chunk: int = 0,  # attention chunk size (0: none)
+) -> torch.Tensor:  # [B, T, Hq, D]
+    """What the decode attention kernels compute (kernels/decode_attention.py on CUDA, kernels/cpu_ops.py
+    on CPU): the queries over the gathered cache in fp32."""
+    keys, values = gather_blocks(k_cache, tables, kv_len), gather_blocks(v_cache, tables, kv_len)
+    mask = step_mask(positions, kv_len, chunk)
+    return sdpa_attention(q.float(), keys.float(), values.float(), mask).to(q.dtype)

@@ -29,27 +29,7 @@ import triton.language as tl
 from torch.library import triton_op
 from triton.language.extra.cuda import gdc_wait
 
-from redline.kernels.attention_core import sdpa_attention
 from redline.kernels.launch import is_interpreted, traceable
-from redline.kernels.paged_kv import gather_blocks
-
-
-def decode_attention_reference(
-    q: torch.Tensor,  # [B, T, Hq, D]
-    k_cache: torch.Tensor,  # [blocks, Hkv, BLOCK, D]
-    v_cache: torch.Tensor,
-    positions: torch.Tensor,  # [B, T] absolute positions of the queries
-    tables: torch.Tensor,  # [B, blocks per sequence] int32 (kernels/paged_kv.py)
-    kv_len: int,
-    chunk: int = 0,  # attention chunk size (0: none)
-) -> torch.Tensor:  # [B, T, Hq, D]
-    keys, values = gather_blocks(k_cache, tables, kv_len), gather_blocks(v_cache, tables, kv_len)
-    key_pos = torch.arange(kv_len, device=q.device)[None, None, None, :]
-    query_pos = positions[:, None, :, None]
-    mask = key_pos <= query_pos
-    if chunk:
-        mask &= key_pos >= query_pos - query_pos % chunk
-    return sdpa_attention(q.float(), keys.float(), values.float(), mask).to(q.dtype)
 
 
 # ints that change from call to call: not specialized (Triton would compile a variant for values that are

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op
 
-from redline.kernels.decode_attention import decode_attention_reference
+from redline.kernels.attention_core import decode_attention_reference
 from redline.kernels.launch import is_interpreted, traceable
 
 LOG2E = 1.4426950408889634

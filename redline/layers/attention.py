@@ -12,7 +12,7 @@ from redline.config import ModelConfig
 from redline.kernels.attention_core import STEP_QUERIES
 from redline.kernels.paged_kv import BLOCK, gather_blocks, kv_bucket
 from redline.layers.backends import TORCH, Backends, backend_name
-from redline.layers.linear import Linear
+from redline.layers.linear import Linear, product
 from redline.layers.norm import rms_normalize
 from redline.layers.rotary import Rotary
 from redline.quant.fp8 import FP8, FP8_MAX
@@ -118,6 +118,21 @@ class Attention(nn.Module):
         self.step_kernel = backends.decode_attention
         self.prefill_kernel = backends.prefill_attention
         self.core = backends.attention_core  # over gathered keys and values
+        self.few_rows, self.fuse = backends.few_rows, backends.fused_projections and not config.attention_bias
+        self.qkv_weight: torch.Tensor | None = None  # [q + 2 kv features, in]: see fuse_qkv
+
+    def fuse_qkv(self) -> None:
+        """After loading, with fused projections: q_proj, k_proj and v_proj become views of one weight (no
+        extra memory), multiplied once per step. Not when quantization replaced the linears."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        if not self.fuse or self.qkv_weight is not None or any(type(p) is not Linear for p in projections):
+            return
+        fused = torch.cat([p.weight.detach() for p in projections])
+        start = 0
+        for p in projections:
+            p.weight = nn.Parameter(fused[start : start + p.out_features], requires_grad=False)
+            start += p.out_features
+        self.qkv_weight = fused
 
     def forward(
         self,
@@ -171,9 +186,14 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, T, heads, head_dim] and k, v [B, T, kv_heads, head_dim], positions encoded."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        if self.qkv_weight is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            qkv = product(x.reshape(b * t, -1), self.qkv_weight, self.few_rows, t)  # [B * T, q + 2 kv]
+            q, k, v = qkv.split([p.out_features for p in (self.q_proj, self.k_proj, self.v_proj)], dim=-1)
+        q = q.reshape(b, t, self.num_heads, self.head_dim)
+        k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(b, t, self.num_kv_heads, self.head_dim)
         if self.use_rope:
             q = self.rotary.apply(q, batch.cos, batch.sin)
             k = self.rotary.apply(k, batch.cos, batch.sin)

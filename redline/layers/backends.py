@@ -8,14 +8,19 @@ The rules (BENCHMARKS.md "Few-row linears", "Compiled bf16 decode"):
 
 | where                     | CUDA with Triton                      | CPU                                    |
 |---------------------------|---------------------------------------|----------------------------------------|
-| cached attention, <= 9 q  | split-KV decode kernel (PDL with pdl) | the core over the gathered cache       |
+| cached attention, <= 9 q  | split-KV decode kernel (PDL with pdl) | bf16 with AVX-512 BF16: a C++ kernel   |
+|                           |                                       | (kernels/cpu_ops); else the core over  |
+|                           |                                       | the gathered cache                     |
 | cached attention, prompts | flash-attention prefill kernel        | the core (SDPA: its flash kernel)      |
 | attention core            | SDPA                                  | compiled: reductions inductor fuses    |
 | add + post-attention norm | one fused kernel                      | torch                                  |
-| dense MLP (not FP8)       | one gate/up GEMM + SwiGLU kernel      | torch                                  |
+| dense MLP (not FP8)       | one gate/up GEMM + SwiGLU kernel      | with the C++ kernel: one gate/up       |
+|                           |                                       | product (q/k/v too); else torch        |
 | top-1 MoE, few tokens     | a kernel reading the chosen experts   | torch                                  |
-| linears of <= 8 rows      | F.linear                              | compiled: streamed rows; eager fp32    |
-|                           |                                       | on AMD or without AVX-512: W @ x^T     |
+| decode-step linears       | F.linear                              | bf16 with AVX-512 BF16: a C++ kernel   |
+|                           |                                       | (kernels/cpu_ops); else compiled:      |
+|                           |                                       | streamed rows; eager fp32 on AMD or    |
+|                           |                                       | without AVX-512: W @ x^T               |
 | decoder layers            | one graph                             | compiled: one compile region each kind |
 
 `describe()` names what was chosen (`redline info` prints it) and each layer's repr shows its own.
@@ -32,7 +37,7 @@ from typing import Any
 
 import torch
 
-from redline.kernels import HAS_TRITON
+from redline.kernels import HAS_TRITON, cpu_ops
 from redline.kernels.attention_core import attention_by_reductions, sdpa_attention
 from redline.layers.linear import FewRows, streamed_rows, weight_times_xt
 
@@ -64,8 +69,9 @@ class Backends:
     add_norm: AddNorm | None = None  # None: torch's add, then the RMSNorm module
     swiglu: Callable[[torch.Tensor], torch.Tensor] | None = None  # [M, 2I] -> [M, I] after one gate/up GEMM
     moe_top1: Callable[..., torch.Tensor] | None = None  # moe_top1.py's signature
-    few_rows: FewRows | None = None  # products of <= FEW_ROWS rows; None: F.linear
+    few_rows: FewRows | None = None  # few-row and decode-step products (linear.product); None: F.linear
     layer_regions: bool = False  # decoder layers as nested compile regions (models/llama.run_layer)
+    fused_projections: bool = False  # q/k/v and gate/up multiplied as one weight each, once loaded
 
     @classmethod
     def choose(
@@ -86,13 +92,21 @@ class Backends:
             raise ValueError("programmatic dependent launch needs Triton and a Hopper or newer GPU")
         if device.type != "cpu":
             return TORCH
+        core = attention_by_reductions if compiled else sdpa_attention
+        if dtype == torch.bfloat16 and cpu_ops.load():  # a call per weight: fewer, larger weights
+            return cls(
+                decode_attention=cpu_ops.decode_attention_bf16,
+                attention_core=core,
+                few_rows=cpu_ops.few_rows_bf16,
+                layer_regions=compiled,
+                fused_projections=True,
+            )
         few_rows = None
         if compiled and dtype in (torch.float32, torch.bfloat16, torch.float16):
             importlib.import_module("torch._inductor.inductor_prims")  # registers what linear.stored uses
             few_rows = streamed_rows
         elif dtype == torch.float32 and (cpu_vendor() == "AuthenticAMD" or not avx512()):
             few_rows = weight_times_xt
-        core = attention_by_reductions if compiled else sdpa_attention
         return cls(attention_core=core, few_rows=few_rows, layer_regions=compiled)
 
     @classmethod
@@ -114,7 +128,7 @@ class Backends:
         )
 
     def describe(self) -> dict[str, str]:
-        """What runs where: {"decode attention": "decode_attention(pdl=False)", "linears <= 8 rows": ...}."""
+        """What runs where: {"decode attention": "decode_attention(pdl=False)", ...}."""
         return {
             "decode attention": backend_name(self.decode_attention),
             "prefill attention": backend_name(self.prefill_attention),
@@ -122,8 +136,9 @@ class Backends:
             "add + norm": backend_name(self.add_norm),
             "dense MLP": "gate/up GEMM + " + backend_name(self.swiglu) if self.swiglu else "torch",
             "top-1 MoE": backend_name(self.moe_top1),
-            "linears <= 8 rows": backend_name(self.few_rows),
+            "decode-step linears": backend_name(self.few_rows),
             "layer compile regions": str(self.layer_regions),
+            "fused q/k/v and gate/up": str(self.fused_projections),
         }
 
 

@@ -2,7 +2,8 @@
 
 torch's CPU GEMMs are slow for 1-8 rows (BENCHMARKS.md "Few-row linears"): the fp32 GEMM packs the
 weight on every call, so x[M, K] @ W[N, K]^T costs about M times the M = 1 product, and without
-AVX-512 the bf16 product is a loop over rows that reads W once per row. Two products stream W once:
+AVX-512 the bf16 product is a loop over rows that reads W once per row. Three products stream W once:
+the C++ kernel of kernels/cpu_ops.py for bf16 on CPUs with AVX-512 BF16 (eager and compiled), and
 
 - `weight_times_xt`, fp32 weights in eager code: W @ x^T ([N, K] @ [K, M] -> [N, M], transposed back
   as a view) costs about what M = 1 does on AMD EPYC instances, AVX2 and AVX-512 alike (116 against 201
@@ -26,8 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from redline.kernels import cpu_ops
+from redline.kernels.attention_core import STEP_QUERIES
+
 FEW_ROWS = 8
 FewRows = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [M, K], weight [N, K]) -> [M, N]
+ROW_INDEPENDENT: set[FewRows] = {cpu_ops.few_rows_bf16}  # each row's result does not depend on M
 
 
 def weight_times_xt(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [M, K], [N, K] -> [M, N]
@@ -51,25 +56,47 @@ def streamed_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [M,
     return torch.stack([(w * row).sum(-1) for row in rows.unbind(0)]).to(x.dtype)
 
 
+WHOLE_STEP_ROWS = 8 * STEP_QUERIES  # 8 slots of a K = 8 verify step
+
+
+def product(
+    x: torch.Tensor,  # [M, K]: the rows of sequences of `tokens` tokens each
+    weight: torch.Tensor,  # [N, K]
+    few_rows: FewRows | None,
+    tokens: int,
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N]
+    """x @ weight^T + bias. few_rows takes inputs of at most FEW_ROWS rows; a row-independent one
+    (ROW_INDEPENDENT: the C++ kernel, whose rows are separate sums) also takes every decode step (at most
+    STEP_QUERIES tokens a sequence) of up to WHOLE_STEP_ROWS rows, so a verify step's B x (K + 1) rows
+    equal B x (K + 1) one-row products bit for bit. Past that the kernel's row loop is slower than
+    F.linear's blocked GEMM (4x at 72 rows), and larger batches take F.linear. Prompts take F.linear. On
+    the 2-D x: torch's CPU bf16 matmul on a strided 3-D slice such as the prefill's last position
+    hidden[:, -1:] ([1, 1, 576], strides (T*576, 576, 1)) took ~200 ms, not ~8 ms."""
+    rows = x.shape[0]
+    whole_step = few_rows in ROW_INDEPENDENT and tokens <= STEP_QUERIES and rows <= WHOLE_STEP_ROWS
+    if few_rows is None or (rows > FEW_ROWS and not whole_step):
+        return F.linear(x, weight, bias)
+    y = few_rows(x, weight)
+    return y if bias is None else y + bias
+
+
+def tokens_per_sequence(x: torch.Tensor) -> int:  # x [B, T, features] or [rows, features]
+    """T for a batch of sequences; a 2-D input counts as one sequence of its rows."""
+    return x.shape[-2] if x.dim() > 2 else x.shape[0]
+
+
 class Linear(nn.Linear):
     def __init__(
         self, in_features: int, out_features: int, bias: bool = True, few_rows: FewRows | None = None, **kw
     ):
-        """few_rows: the product for inputs of at most FEW_ROWS rows (None: F.linear for every M)."""
+        """few_rows: the product for few rows and decode steps (see `product`; None: F.linear for every M)."""
         super().__init__(in_features, out_features, bias, **kw)
         self.few_rows = few_rows
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in_features]
-        rows = x.numel() // self.in_features
-        flat = x.reshape(rows, self.in_features)
-        if self.few_rows is None or rows > FEW_ROWS:
-            # On the 2-D view: torch's CPU bf16 matmul on a strided 3-D slice such as the prefill's last
-            # position hidden[:, -1:] ([1, 1, 576], strides (T*576, 576, 1)) took ~200 ms, not ~8 ms.
-            y = F.linear(flat, self.weight, self.bias)
-            return y.reshape(*x.shape[:-1], self.out_features)
-        y = self.few_rows(flat, self.weight)  # [rows, out_features]
-        if self.bias is not None:
-            y = y + self.bias
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., T, in_features] or [rows, in_features]
+        flat = x.reshape(-1, self.in_features)
+        y = product(flat, self.weight, self.few_rows, tokens_per_sequence(x), self.bias)  # [rows, out]
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from redline.layers.backends import TORCH, Backends, backend_name
-from redline.layers.linear import Linear
+from redline.layers.linear import Linear, product, tokens_per_sequence
 
 
 class MLP(nn.Module):
@@ -18,25 +18,33 @@ class MLP(nn.Module):
         self.gate_proj = Linear(hidden, inter, bias, backends.few_rows)
         self.up_proj = Linear(hidden, inter, bias, backends.few_rows)
         self.down_proj = Linear(inter, hidden, bias, backends.few_rows)
-        # With a SwiGLU kernel (and no biases) gate and up become views of one [2 * inter, hidden] weight
-        # once loaded (fuse_gate_up), multiplied once, then SwiGLU'd by the kernel ([M, 2I] -> [M, I])
+        # With a SwiGLU kernel or fused projections (and no biases) gate and up become views of one
+        # [2 * inter, hidden] weight once loaded (fuse_gate_up), multiplied once ([M, 2I]), then
+        # SwiGLU'd by the kernel or by torch ([M, 2I] -> [M, I])
         self.swiglu: Callable[[torch.Tensor], torch.Tensor] | None = None if bias else backends.swiglu
+        self.fuse = backends.fused_projections and not bias
+        self.few_rows = backends.few_rows
         self.gate_up_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., hidden]
-        if self.gate_up_weight is not None:
-            gate_up = F.linear(x.reshape(-1, x.shape[-1]), self.gate_up_weight)  # [M, 2 * inter]
+        if self.gate_up_weight is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        flat = x.reshape(-1, x.shape[-1])
+        gate_up = product(flat, self.gate_up_weight, self.few_rows, tokens_per_sequence(x))  # [M, 2 * inter]
+        if self.swiglu is not None:
             return self.down_proj(self.swiglu(gate_up).view(*x.shape[:-1], -1))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = gate_up.split(self.gate_proj.out_features, dim=-1)
+        return self.down_proj((F.silu(gate) * up).view(*x.shape[:-1], -1))
 
     def fuse_gate_up(self) -> None:
-        """After loading, for the SwiGLU kernel: gate_proj and up_proj become views of one weight (no extra
-        memory). Nothing to do without the kernel, or when quantization replaced the linears."""
+        """After loading, for the SwiGLU kernel or fused projections: gate_proj and up_proj become views of
+        one weight (no extra memory). Nothing to do without either, or when quantization replaced the
+        linears."""
         gate, up = self.gate_proj, self.up_proj
-        if self.swiglu is None or self.gate_up_weight is not None:
+        if (self.swiglu is None and not self.fuse) or self.gate_up_weight is not None:
             return
         if not (type(gate) is Linear and type(up) is Linear):  # quantized after construction (tests do)
-            self.swiglu = None
+            self.swiglu, self.fuse = None, False
             return
         fused = torch.cat((gate.weight.detach(), up.weight.detach()))
         gate.weight = nn.Parameter(fused[: gate.out_features], requires_grad=False)

@@ -109,9 +109,10 @@ class MoE(nn.Module):
         return f"experts={self.num_experts}, top_k={self.top_k}, few_tokens={backend_name(self.top1)}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., hidden]
-        shape = x.shape
+        shape, sequences = x.shape, x  # router and shared expert see [B, T, hidden]: linear.product's rule
         x = x.reshape(-1, shape[-1])  # [N, hidden]
-        top_logit, top_expert = torch.topk(self.router(x), self.top_k, dim=-1)  # [N, k]
+        logits = self.router(sequences).reshape(-1, self.num_experts)  # [N, E]
+        top_logit, top_expert = torch.topk(logits, self.top_k, dim=-1)  # [N, k]
         weight = torch.sigmoid(top_logit.float()).to(x.dtype)
         local = self.experts.down_proj.shape[0]
         elsewhere = local < self.num_experts  # expert parallel: some choices are other ranks' experts
@@ -136,4 +137,4 @@ class MoE(nn.Module):
             routed = routed.view(n, self.top_k, -1).sum(dim=1)
         else:
             routed = routed_sorted(x, top_expert, weight, self.experts, local, elsewhere)
-        return (self.shared_expert(x) + routed).view(shape)
+        return (self.shared_expert(sequences).reshape(-1, shape[-1]) + routed).view(shape)

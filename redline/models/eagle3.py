@@ -237,6 +237,7 @@ def load_draft(
     draft.d2t, draft.t2d = draft.d2t.long(), draft.t2d.bool()
     draft.rotary.materialize(torch.device(device))
     draft.midlayer.mlp.fuse_gate_up()
+    draft.midlayer.self_attn.fuse_qkv()
     expected = len(target.aux_layers) * target.config.hidden_size
     if draft.fc.in_features != expected:
         raise CheckpointError(

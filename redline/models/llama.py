@@ -105,10 +105,11 @@ class LlamaForCausalLM(nn.Module):
 
     def finish_loading(self) -> None:
         """After the weights are in: a tied lm_head shares the embedding, and dense MLPs with a SwiGLU kernel
-        multiply gate and up as one weight."""
+        or fused projections multiply gate and up as one weight (q, k and v too with fused projections)."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         for layer in self.model.layers:
+            layer.self_attn.fuse_qkv()
             if isinstance(layer.mlp, MLP):
                 layer.mlp.fuse_gate_up()
             elif isinstance(layer.mlp, MoE):

@@ -1,0 +1,135 @@
+"""redline's C++ CPU kernels for bf16 decode steps on CPUs with AVX-512 BF16 (csrc/*.cpp), built once
+per machine and torch version with torch's own extension builder and registered as torch ops
+(torch.ops.redline_cpu.*), which eager code and compiled graphs both call:
+
+- `few_rows_bf16` (csrc/few_rows_bf16.cpp): x[M, K] @ W[N, K]^T for decode steps (layers/linear.product),
+  each weight row streamed once with vdpbf16ps on torch's thread pool. On SmolLM2's decoder weights it
+  read 25-40 GB/s against 11-13 for F.linear in bf16 (BENCHMARKS.md "C++ decode kernels on AVX-512 BF16");
+- `decode_attention_bf16` (csrc/decode_attention_bf16.cpp): a decode step's few queries over the paged
+  cache through the block tables, as kernels/decode_attention.py on CUDA (same arguments, same
+  definition: decode_attention_reference), with no gathered keys and no mask tensors.
+
+Where they cannot run (no AVX-512 BF16, no C++ compiler or ninja, REDLINE_CPU_KERNELS=0, a failed
+build), `load()` is False and layers/backends.py keeps torch's and inductor's paths.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import re
+import shutil
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from redline.kernels.attention_core import attention_by_reductions, step_mask
+from redline.kernels.paged_kv import gather_blocks
+
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp"]
+STALE_LOCK_S = 600  # a build takes well under a minute: an older lock was left by a killed process
+
+
+def extension_name() -> str:
+    """One build per torch version and source: a build against another torch's headers may not load, and
+    two checkouts with different sources must not rebuild over each other."""
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(FLAGS).encode()).hexdigest()
+    version = re.sub(r"\W", "_", torch.__version__)
+    return f"redline_cpu_ops_{version}_{digest[:10]}"
+
+
+def _ninja_beside_python() -> None:
+    """pip's ninja sits beside the interpreter, which need not be on PATH (.venv/bin/python run directly)."""
+    here = str(Path(sys.executable).parent)
+    path = os.environ.get("PATH", "")
+    if here not in path.split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([path, here]) if path else here
+
+
+def available() -> bool:
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if os.environ.get("REDLINE_CPU_KERNELS", "1") == "0" or not torch.cpu._is_avx512_bf16_supported():
+        return False
+    _ninja_beside_python()
+    return shutil.which(os.environ.get("CXX", "c++")) is not None and is_ninja_available()
+
+
+def _wait_for_lock(lock: Path) -> None:
+    """torch's builder holds `lock` while it builds (every process takes it, for ninja's check) and waits
+    for it with no time limit: wait up to STALE_LOCK_S from its last change, then take it as left by a
+    process that was killed, and remove it."""
+    if lock.exists():
+        print(f"redline: waiting for {lock} (another process building the CPU kernels)", file=sys.stderr)
+    while lock.exists():
+        try:
+            if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+                warnings.warn(f"redline: removing {lock}, left by a build that did not finish", stacklevel=3)
+                lock.unlink(missing_ok=True)
+        except FileNotFoundError:
+            return
+        time.sleep(0.5)
+
+
+@functools.cache
+def load() -> bool:
+    """Builds (10-30 s, the first time on a machine) and loads the ops; False where they cannot."""
+    if not available():
+        return False
+    from torch.utils.cpp_extension import _get_build_directory
+    from torch.utils.cpp_extension import load as build
+
+    name = extension_name()
+    start = time.perf_counter()
+    try:
+        directory = Path(_get_build_directory(name, verbose=False))
+        built = (directory / f"{name}.so").exists()
+        if not built:
+            print(
+                "redline: building the AVX-512 BF16 decode kernels (once per machine, ~30 s)", file=sys.stderr
+            )
+        _wait_for_lock(directory / "lock")
+        sources = [str(source) for source in SOURCES]
+        build(name, sources, extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], is_python_module=False)
+    except (RuntimeError, OSError) as error:  # a compiler that rejects the flags, a read-only cache
+        warnings.warn(f"redline: the AVX-512 BF16 decode kernels did not build ({error})", stacklevel=2)
+        return False
+    if not built:
+        print(f"redline: built the decode kernels in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    torch.library.register_fake("redline_cpu::few_rows_bf16")(
+        lambda x, w: x.new_empty(x.shape[0], w.shape[0])  # [M, K], [N, K] -> [M, N]
+    )
+    torch.library.register_fake("redline_cpu::decode_attention_bf16")(
+        lambda q, k_cache, v_cache, positions, tables, kv_len, chunk: q.new_empty(q.shape)  # [B, T, Hq, D]
+    )
+    return True
+
+
+def few_rows_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [M, K], [N, K] -> [M, N]
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:  # a layer kept in another dtype
+        return F.linear(x, weight)
+    return torch.ops.redline_cpu.few_rows_bf16(x.contiguous(), weight.contiguous())
+
+
+def decode_attention_bf16(
+    q: torch.Tensor,  # [B, T, Hq, D]
+    k_cache: torch.Tensor,  # [blocks, Hkv, BLOCK, D]
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,  # [B, T] absolute positions of the queries
+    tables: torch.Tensor,  # [B, blocks per sequence] int32
+    kv_len: int,
+    chunk: int = 0,  # attention chunk size (0: none)
+) -> torch.Tensor:  # [B, T, Hq, D]
+    """decode_attention_reference's result. An FP8 cache or a head_dim not a multiple of 16 takes the path
+    the kernel replaces: the gathered cache through attention_by_reductions (SDPA outside a graph)."""
+    if k_cache.dtype == torch.bfloat16 and q.dtype == torch.bfloat16 and q.shape[-1] % 16 == 0:
+        kernel = torch.ops.redline_cpu.decode_attention_bf16
+        return kernel(q, k_cache, v_cache, positions, tables, kv_len, chunk)
+    keys, values = (gather_blocks(c, tables, kv_len).to(q.dtype) for c in (k_cache, v_cache))
+    return attention_by_reductions(q, keys, values, step_mask(positions, kv_len, chunk))

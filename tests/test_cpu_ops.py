@@ -1,0 +1,229 @@
+"""The AVX-512 BF16 decode kernels (kernels/cpu_ops.py): what the few-row product and the paged decode
+attention compute, eager and compiled, at the sizes of a real model, and the layers built with them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+import torch.nn.functional as F
+
+from redline import LLM, SamplingParams
+from redline.kernels import cpu_ops
+from redline.kernels.attention_core import decode_attention_reference
+from redline.kernels.paged_kv import BLOCK
+from redline.layers.backends import TORCH, Backends
+from redline.layers.linear import Linear
+from redline.models.build import load_target
+
+pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="needs AVX-512 BF16, a C++ compiler and ninja")
+
+
+def bf16_tolerance(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [M, K], [N, K] -> [M, N]
+    """The output is rounded to bf16 (relative 2^-9), and the K fp32 products are summed in another order
+    than the reference's (a few fp32 ulp of the sum of |products|)."""
+    magnitude = F.linear(x.double().abs(), weight.double().abs())
+    return 2**-8 * magnitude + 1e-30
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("n, k", [(1, 32), (17, 70), (192, 576), (576, 1536), (49152, 576)])
+def test_product_equals_the_fp64_product_rounded_to_bf16(rows, n, k):
+    """Tails of K (70: a masked 6-element chunk) and N (17 rows over 2 threads); SmolLM2's q/k/v, down
+    projection and 49,152-row head."""
+    x = torch.randn(rows, k).bfloat16()
+    weight = (torch.randn(n, k) * k**-0.5).bfloat16()
+    got = cpu_ops.few_rows_bf16(x, weight)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    error = (got.double() - F.linear(x.double(), weight.double())).abs()
+    assert (error <= bf16_tolerance(x, weight)).all(), error.max()
+
+
+def test_each_row_is_the_same_whatever_rows_come_with_it():
+    """A verify step's K + 1 rows equal K + 1 one-row products bit for bit: speculative tokens can equal
+    plain ones."""
+    x = torch.randn(8, 576).bfloat16()
+    weight = torch.randn(1536, 576).bfloat16()
+    together = cpu_ops.few_rows_bf16(x, weight)
+    alone = torch.cat([cpu_ops.few_rows_bf16(row[None], weight) for row in x])
+    assert torch.equal(together, alone)
+
+
+def test_a_compiled_graph_calls_it_and_gets_the_eager_result():
+    """Inside a graph the product is the same op: inductor fuses what comes before it (x * 2, exact in
+    bf16) and hands it the result."""
+    torch._dynamo.reset()
+    x, weight = torch.randn(3, 576).bfloat16(), torch.randn(960, 576).bfloat16()
+
+    def doubled(x: torch.Tensor) -> torch.Tensor:  # [M, 576] -> [M, 960]
+        return cpu_ops.few_rows_bf16(x * 2, weight)
+
+    assert torch.equal(torch.compile(doubled, fullgraph=True, dynamic=False)(x), doubled(x))
+
+
+def test_other_dtypes_take_f_linear():
+    x, weight = torch.randn(2, 64), torch.randn(8, 64)
+    torch.testing.assert_close(cpu_ops.few_rows_bf16(x, weight), F.linear(x, weight))
+
+
+def test_cpu_bf16_layers_multiply_fused_weights_and_compute_what_torch_does(llama3_dir):
+    """Backends.choose picks the kernel for bf16, eager and compiled; q/k/v and gate/up become views of
+    one weight each (no extra memory), and the model's logits match torch's bf16 products."""
+    for compiled in (False, True):
+        chosen = Backends.choose("cpu", torch.bfloat16, compiled=compiled)
+        assert chosen.few_rows is cpu_ops.few_rows_bf16 and chosen.fused_projections
+        assert chosen.decode_attention is cpu_ops.decode_attention_bf16
+    model_dir = llama3_dir[0]
+    plain, fused = (load_target(model_dir, torch.bfloat16, backends=b) for b in (TORCH, chosen))
+    attention, mlp = fused.model.layers[0].self_attn, fused.model.layers[0].mlp
+    assert attention.q_proj.weight.data_ptr() == attention.qkv_weight.data_ptr()
+    assert attention.v_proj.weight.data_ptr() > attention.k_proj.weight.data_ptr()
+    assert mlp.gate_proj.weight.data_ptr() == mlp.gate_up_weight.data_ptr()
+    assert (
+        plain.model.layers[0].self_attn.qkv_weight is None
+        and plain.model.layers[0].mlp.gate_up_weight is None
+    )
+    tokens = torch.randint(0, plain.config.vocab_size, (1, 1))  # one row: the few-row product
+    with torch.no_grad():
+        want, got = (m.lm_head(m(tokens, torch.tensor([[0]]))[0]).float() for m in (plain, fused))
+    # bf16 activations through the layers: each product rounds to 2^-9 relative, in another order
+    torch.testing.assert_close(got, want, atol=0.05, rtol=0.05)
+
+
+def paged_case(b: int, t: int, hq: int, hkv: int, d: int, kv_len: int):
+    """Random bf16 caches of shuffled blocks, each row's last query at a random position < kv_len."""
+    per_row = -(-kv_len // BLOCK)
+    k_cache, v_cache = torch.randn(2, b * per_row + 3, hkv, BLOCK, d).bfloat16().unbind(0)
+    tables = torch.randperm(b * per_row + 3)[: b * per_row].view(b, per_row).int()
+    last = torch.randint(t - 1, kv_len, (b, 1))
+    last[-1] = t - 1 if b > 1 else last[-1]  # the last of several rows near the start, as a free slot
+    positions = last - torch.arange(t - 1, -1, -1)  # [B, T]: consecutive, ending at last
+    q = torch.randn(b, t, hq, d).bfloat16()
+    return q, k_cache, v_cache, positions, tables
+
+
+@pytest.mark.parametrize("b, t, hq, hkv, d", [(1, 1, 9, 3, 64), (3, 4, 8, 2, 128), (2, 9, 4, 4, 16)])
+@pytest.mark.parametrize("kv_len, chunk", [(37, 0), (300, 0), (4096, 0), (300, 64)])
+def test_decode_attention_equals_the_reference(b, t, hq, hkv, d, kv_len, chunk):
+    """SmolLM2's heads (9 over 3), GQA 4:1 at head_dim 128, a 9-query verify step; a context of 4,096
+    positions; Llama 4's chunked mask."""
+    q, k_cache, v_cache, positions, tables = paged_case(b, t, hq, hkv, d, kv_len)
+    got = cpu_ops.decode_attention_bf16(q, k_cache, v_cache, positions, tables, kv_len, chunk)
+    want = decode_attention_reference(
+        q.double(), k_cache.double(), v_cache.double(), positions, tables, kv_len, chunk
+    )
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape
+    # outputs are averages of unit-scale values: bf16 rounding (2^-9 relative) and fp32 sums in another order
+    torch.testing.assert_close(got.double(), want, atol=1e-2, rtol=1e-2)
+
+
+def test_decode_attention_of_a_query_is_the_same_whatever_comes_with_it():
+    q, k_cache, v_cache, positions, tables = paged_case(2, 4, 9, 3, 64, 500)
+    together = cpu_ops.decode_attention_bf16(q, k_cache, v_cache, positions, tables, 500, 0)
+    for row in range(2):
+        for token in range(4):
+            one = (q[row : row + 1, token : token + 1], k_cache, v_cache)
+            alone = cpu_ops.decode_attention_bf16(
+                *one, positions[row : row + 1, token : token + 1], tables[row : row + 1], 500, 0
+            )
+            assert torch.equal(alone[0, 0], together[row, token])
+
+
+def test_decode_attention_in_a_compiled_graph_at_any_kv_len():
+    """kv_len enters as an unbacked dimension, as in the compiled step: one graph for every length."""
+    torch._dynamo.reset()
+    q, k_cache, v_cache, positions, tables = paged_case(1, 2, 9, 3, 64, 600)
+    kv_index = torch.arange(601)
+
+    def attend(q: torch.Tensor, index: torch.Tensor) -> torch.Tensor:  # [B, T, Hq, D] -> same
+        return cpu_ops.decode_attention_bf16(q * 2, k_cache, v_cache, positions, tables, index.shape[0], 0)
+
+    compiled = torch.compile(attend, fullgraph=True, dynamic=False)
+    for kv_len in (600, 450):
+        index = kv_index[:kv_len]
+        torch._dynamo.decorators.mark_unbacked(index, 0)
+        assert torch.equal(compiled(q, index), attend(q, index))
+
+
+def test_an_fp8_cache_takes_the_gathered_path():
+    """The cases the kernel does not take go through the gathered cache (what ran before it)."""
+    q, k_cache, v_cache, positions, tables = paged_case(2, 3, 4, 2, 16, 40)
+    fp8 = (k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn))
+    got = cpu_ops.decode_attention_bf16(q, *fp8, positions, tables, 40, 0)
+    want = decode_attention_reference(q.double(), *(c.double() for c in fp8), positions, tables, 40, 0)
+    torch.testing.assert_close(got.double(), want, atol=1e-2, rtol=1e-2)  # bf16 outputs, as above
+
+
+def test_decode_attention_rejects_what_would_read_outside_the_cache():
+    q, k_cache, v_cache, positions, tables = paged_case(1, 1, 4, 2, 16, 40)  # 3 blocks a row: 48 positions
+    with pytest.raises(RuntimeError, match="covering kv_len"):
+        cpu_ops.decode_attention_bf16(q, k_cache, v_cache, positions, tables, 49, 0)
+    with pytest.raises(RuntimeError, match="no block 99 in the cache"):
+        cpu_ops.decode_attention_bf16(q, k_cache, v_cache, positions, torch.full_like(tables, 99), 40, 0)
+
+
+def test_a_decode_step_of_more_than_8_rows_multiplies_each_row_as_a_1_row_step():
+    """B x (K + 1) rows past FEW_ROWS (8 x 6 = 48, up to 8 x 9 = 72) still take the kernel: each row's
+    product equals its 1-row step's, bit for bit. A prompt (T > 9 tokens) takes F.linear."""
+    layer = Linear(576, 1536, bias=False, few_rows=cpu_ops.few_rows_bf16).bfloat16()
+    for b, t in ((2, 5), (8, 6), (8, 9)):
+        x = torch.randn(b, t, 576).bfloat16()
+        one_row = torch.stack(
+            [torch.stack([layer(x[i, j][None, None])[0, 0] for j in range(t)]) for i in range(b)]
+        )
+        assert torch.equal(layer(x), one_row)
+    prompt = torch.randn(1, 40, 576).bfloat16()
+    assert torch.equal(layer(prompt), F.linear(prompt, layer.weight))
+
+
+@pytest.mark.parametrize("slots, k", [(1, 4), (2, 4), (4, 2)])
+def test_greedy_speculation_equals_plain_bit_for_bit_with_the_kernels(trained, slots, k):
+    """bf16 with the C++ kernels (eager): speculative tokens equal plain ones exactly, including verify
+    steps of more than 8 rows (2 x 5, 4 x 3)."""
+    prompts = [torch.randint(5, 300, (n,)).tolist() for n in (9, 17, 4, 30)][:slots]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    kw = dict(dtype="bfloat16", max_batch=slots, max_seq_len=128, compile=False, progress=False)
+    plain = LLM(trained / "target", **kw)
+    assert "decode_attention_bf16" in repr(plain.model)
+    spec = LLM(trained / "target", draft=trained / "draft", num_draft_tokens=k, **kw)
+    want = [c.token_ids for c in plain.generate(prompts, params)]
+    got = spec.generate(prompts, params)
+    assert [c.token_ids for c in got] == want
+    assert sum(c.acceptance_length for c in got) / len(got) > 1.2  # the accepting path ran
+
+
+def test_fused_projections_of_a_decode_step_equal_one_row_steps(tmp_path, tokenizer_dir):
+    """The layers' own product calls (fused q/k/v in Attention.project, fused gate/up and down in the MLP)
+    pass the step's tokens per sequence: an [8, 9] step (72 rows, K = 8 at batch 8) equals 72 one-token
+    steps bit for bit. F.linear's sums round to other bf16 values than the kernel's in about 3 of 10,000
+    outputs, so the step is this large, at SmolLM2's widths, for a wrong routing to show."""
+    from conftest import build_hf_model, llama3_hf_config, save_hf_model
+
+    from redline.layers.attention import AttentionBatch
+
+    config = llama3_hf_config(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        num_hidden_layers=1,
+    )
+    model_dir = save_hf_model(build_hf_model(config, seed=5), tmp_path / "wide", tokenizer_dir)
+    model = load_target(model_dir, torch.bfloat16, backends=Backends.choose("cpu", torch.bfloat16, False))
+    layer = model.model.layers[0]
+    x = torch.randn(8, 9, model.config.hidden_size).bfloat16()
+    positions = torch.arange(9).repeat(8, 1) + 5  # [8, 9]
+
+    def project(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # [B, T, H] -> [B, T, q + 2 kv]
+        batch = AttentionBatch.build(
+            model.config, model.model.rotary, positions, torch.arange(16)[None], None
+        )
+        return torch.cat([p.flatten(2) for p in layer.self_attn.project(x, batch)], dim=-1)
+
+    with torch.no_grad():
+        for whole, one in ((layer.mlp(x), lambda r: layer.mlp(r)), (project(x, positions), None)):
+            for b in range(8):
+                for t in range(9):
+                    row = x[b : b + 1, t : t + 1]
+                    alone = one(row) if one else project(row, positions[b : b + 1, t : t + 1])
+                    assert torch.equal(alone[0, 0], whole[b, t])
