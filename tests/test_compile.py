@@ -16,6 +16,7 @@ from conftest import (
 
 from redline import LLM, SamplingParams
 from redline.engine.request import Request
+from redline.runner import compiled_step
 from redline.train.random_init import write_random_draft
 
 CONTEXT = 320
@@ -113,3 +114,26 @@ def test_compiled_llama4_runs_past_4096_tokens_without_compiling(tmp_path, token
     assert unique_graphs() == graphs_after_warm_up
     [want] = LLM(target_dir, **kw).generate([prompt], params)
     assert greedy_divergence_is_a_near_tie(llm.model, prompt, request.output_ids, want.token_ids)
+
+
+def test_a_compiled_step_compiles_each_pair_once_then_runs_its_bytecode_directly():
+    """A (rows, sampling) pair compiles on its first call; later calls, at any kv_len, run the bytecode
+    dynamo made for it with no guard lookup (and the same results); a new pair raises after freeze()."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    state, weight = torch.randn(4, 8), torch.randn(8, 8)
+
+    def step(rows: int, kv_len: int, sampling: bool) -> torch.Tensor:  # -> [rows, 8]
+        out = state[:rows] @ weight * kv_len
+        return out + 1 if sampling else out
+
+    compiled = compiled_step.CompiledStep(step, cache_len=64, device=torch.device("cpu"), graphs=2)
+    for rows, kv_len, sampling in [(1, 10, False), (2, 20, True), (1, 33, False), (2, 64, True)]:
+        torch.testing.assert_close(compiled(rows, kv_len, sampling), step(rows, kv_len, sampling))
+    assert unique_graphs() == 2 and set(compiled.direct) == {(1, False), (2, True)}
+    compiled.freeze()
+    with pytest.raises(RuntimeError, match="not compiled at warm-up"):
+        compiled(4, 10, False)
+    compiled.compiled = None  # dynamo's entry point gone: the pairs run without it
+    torch.testing.assert_close(compiled(2, 5, True), step(2, 5, True))
+    torch.testing.assert_close(compiled(1, 64, False), step(1, 64, False))

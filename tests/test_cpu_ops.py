@@ -26,7 +26,7 @@ def bf16_tolerance(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [M
     return 2**-8 * magnitude + 1e-30
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 8])
 @pytest.mark.parametrize("n, k", [(1, 32), (17, 70), (192, 576), (576, 1536), (49152, 576)])
 def test_product_equals_the_fp64_product_rounded_to_bf16(rows, n, k):
     """Tails of K (70: a masked 6-element chunk) and N (17 rows over 2 threads); SmolLM2's q/k/v, down
@@ -39,11 +39,13 @@ def test_product_equals_the_fp64_product_rounded_to_bf16(rows, n, k):
     assert (error <= bf16_tolerance(x, weight)).all(), error.max()
 
 
-def test_each_row_is_the_same_whatever_rows_come_with_it():
+@pytest.mark.parametrize("n, k", [(1536, 576), (17, 70), (1537, 576)])
+def test_each_row_is_the_same_whatever_rows_come_with_it(n, k):
     """A verify step's K + 1 rows equal K + 1 one-row products bit for bit: speculative tokens can equal
-    plain ones."""
-    x = torch.randn(8, 576).bfloat16()
-    weight = torch.randn(1536, 576).bfloat16()
+    plain ones. 9 rows: two full tiles of 4 and a last row; N and K with tails (a last w row outside the
+    tiles of 4, a masked chunk of K)."""
+    x = torch.randn(9, k).bfloat16()
+    weight = torch.randn(n, k).bfloat16()
     together = cpu_ops.few_rows_bf16(x, weight)
     alone = torch.cat([cpu_ops.few_rows_bf16(row[None], weight) for row in x])
     assert torch.equal(together, alone)
@@ -102,11 +104,14 @@ def paged_case(b: int, t: int, hq: int, hkv: int, d: int, kv_len: int):
     return q, k_cache, v_cache, positions, tables
 
 
-@pytest.mark.parametrize("b, t, hq, hkv, d", [(1, 1, 9, 3, 64), (3, 4, 8, 2, 128), (2, 9, 4, 4, 16)])
+@pytest.mark.parametrize(
+    "b, t, hq, hkv, d",
+    [(1, 1, 9, 3, 64), (3, 4, 8, 2, 128), (2, 9, 4, 4, 32), (1, 2, 2, 1, 96), (1, 2, 2, 1, 256)],
+)
 @pytest.mark.parametrize("kv_len, chunk", [(37, 0), (300, 0), (4096, 0), (300, 64)])
 def test_decode_attention_equals_the_reference(b, t, hq, hkv, d, kv_len, chunk):
-    """SmolLM2's heads (9 over 3), GQA 4:1 at head_dim 128, a 9-query verify step; a context of 4,096
-    positions; Llama 4's chunked mask."""
+    """SmolLM2's heads (9 over 3), GQA 4:1 at head_dim 128, a 9-query verify step, head_dim 32, 96 and 256
+    (the kernel takes multiples of 32 up to 256); a context of 4,096 positions; Llama 4's chunked mask."""
     q, k_cache, v_cache, positions, tables = paged_case(b, t, hq, hkv, d, kv_len)
     got = cpu_ops.decode_attention_bf16(q, k_cache, v_cache, positions, tables, kv_len, chunk)
     want = decode_attention_reference(
@@ -118,6 +123,8 @@ def test_decode_attention_equals_the_reference(b, t, hq, hkv, d, kv_len, chunk):
 
 
 def test_decode_attention_of_a_query_is_the_same_whatever_comes_with_it():
+    """Alone or with other rows and tokens, and at a larger kv_len (a plain step and a verify step can be
+    in different kv buckets): the same bits."""
     q, k_cache, v_cache, positions, tables = paged_case(2, 4, 9, 3, 64, 500)
     together = cpu_ops.decode_attention_bf16(q, k_cache, v_cache, positions, tables, 500, 0)
     for row in range(2):
@@ -127,6 +134,20 @@ def test_decode_attention_of_a_query_is_the_same_whatever_comes_with_it():
                 *one, positions[row : row + 1, token : token + 1], tables[row : row + 1], 500, 0
             )
             assert torch.equal(alone[0, 0], together[row, token])
+    longer = torch.cat([tables, tables[:, :4]], dim=1)  # room for 564 positions: no query sees past 499
+    assert torch.equal(
+        cpu_ops.decode_attention_bf16(q, k_cache, v_cache, positions, longer, 560, 0), together
+    )
+
+
+def test_a_query_with_no_key_gets_zeros():
+    """A query at a position >= kv_len in Llama 4's chunked layers starts its chunk past the keys (lo >
+    hi), as the reference: zeros."""
+    q, k_cache, v_cache, _, tables = paged_case(1, 1, 4, 2, 64, 200)
+    got = cpu_ops.decode_attention_bf16(q, k_cache, v_cache, torch.tensor([[150]]), tables, 100, 64)
+    want = decode_attention_reference(q.double(), k_cache.double(), v_cache.double(), torch.tensor([[150]]),
+                                      tables, 100, 64)  # fmt: skip
+    assert torch.equal(got, torch.zeros_like(got)) and torch.equal(want, torch.zeros_like(want))
 
 
 def test_decode_attention_in_a_compiled_graph_at_any_kv_len():
@@ -145,17 +166,30 @@ def test_decode_attention_in_a_compiled_graph_at_any_kv_len():
         assert torch.equal(compiled(q, index), attend(q, index))
 
 
-def test_an_fp8_cache_takes_the_gathered_path():
-    """The cases the kernel does not take go through the gathered cache (what ran before it)."""
-    q, k_cache, v_cache, positions, tables = paged_case(2, 3, 4, 2, 16, 40)
-    fp8 = (k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn))
-    got = cpu_ops.decode_attention_bf16(q, *fp8, positions, tables, 40, 0)
-    want = decode_attention_reference(q.double(), *(c.double() for c in fp8), positions, tables, 40, 0)
+@pytest.mark.parametrize("fp8, d", [(True, 32), (False, 80)])
+def test_what_the_kernel_does_not_take_goes_through_the_gathered_cache(fp8, d):
+    """An FP8 cache, a head_dim not a multiple of 32: the path the kernel replaced."""
+    q, k_cache, v_cache, positions, tables = paged_case(2, 3, 4, 2, d, 40)
+    caches = (k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)) if fp8 else (k_cache, v_cache)
+    got = cpu_ops.decode_attention_bf16(q, *caches, positions, tables, 40, 0)
+    want = decode_attention_reference(q.double(), *(c.double() for c in caches), positions, tables, 40, 0)
+    torch.testing.assert_close(got.double(), want, atol=1e-2, rtol=1e-2)  # bf16 outputs, as above
+
+
+def test_decode_attention_of_peaked_scores():
+    """Queries 30x larger: scores spread over hundreds, so most e^(score - top) underflow to 0 and a few
+    keys carry the output (the kernel's own exp at large negative arguments)."""
+    q, k_cache, v_cache, positions, tables = paged_case(2, 2, 9, 3, 64, 700)
+    q = (q.float() * 30).bfloat16()
+    got = cpu_ops.decode_attention_bf16(q, k_cache, v_cache, positions, tables, 700, 0)
+    want = decode_attention_reference(
+        q.double(), k_cache.double(), v_cache.double(), positions, tables, 700, 0
+    )
     torch.testing.assert_close(got.double(), want, atol=1e-2, rtol=1e-2)  # bf16 outputs, as above
 
 
 def test_decode_attention_rejects_what_would_read_outside_the_cache():
-    q, k_cache, v_cache, positions, tables = paged_case(1, 1, 4, 2, 16, 40)  # 3 blocks a row: 48 positions
+    q, k_cache, v_cache, positions, tables = paged_case(1, 1, 4, 2, 32, 40)  # 3 blocks a row: 48 positions
     with pytest.raises(RuntimeError, match="covering kv_len"):
         cpu_ops.decode_attention_bf16(q, k_cache, v_cache, positions, tables, 49, 0)
     with pytest.raises(RuntimeError, match="no block 99 in the cache"):

@@ -7,7 +7,11 @@ per machine and torch version with torch's own extension builder and registered 
   read 25-40 GB/s against 11-13 for F.linear in bf16 (BENCHMARKS.md "C++ decode kernels on AVX-512 BF16");
 - `decode_attention_bf16` (csrc/decode_attention_bf16.cpp): a decode step's few queries over the paged
   cache through the block tables, as kernels/decode_attention.py on CUDA (same arguments, same
-  definition: decode_attention_reference), with no gathered keys and no mask tensors.
+  definition: decode_attention_reference), with no gathered keys and no mask tensors: scores 16 keys at
+  a time, its own vector e^x, about 3.5 ns a key and head on one core.
+
+Both share csrc/avx512_bf16.h (bf16 loads, the sum of 16 registers' lanes, e^x); a change to any file
+there is a new build.
 
 Where they cannot run (no AVX-512 BF16, no C++ compiler or ninja, REDLINE_CPU_KERNELS=0, a failed
 build), `load()` is False and layers/backends.py keeps torch's and inductor's paths.
@@ -32,6 +36,7 @@ from redline.kernels.attention_core import attention_by_reductions, step_mask
 from redline.kernels.paged_kv import gather_blocks
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp"]
 STALE_LOCK_S = 600  # a build takes well under a minute: an older lock was left by a killed process
 
@@ -39,7 +44,8 @@ STALE_LOCK_S = 600  # a build takes well under a minute: an older lock was left 
 def extension_name() -> str:
     """One build per torch version and source: a build against another torch's headers may not load, and
     two checkouts with different sources must not rebuild over each other."""
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(FLAGS).encode()).hexdigest()
+    files = b"".join(s.read_bytes() for s in SOURCES + HEADERS)
+    digest = hashlib.sha256(files + " ".join(FLAGS).encode()).hexdigest()
     version = re.sub(r"\W", "_", torch.__version__)
     return f"redline_cpu_ops_{version}_{digest[:10]}"
 
@@ -126,9 +132,11 @@ def decode_attention_bf16(
     kv_len: int,
     chunk: int = 0,  # attention chunk size (0: none)
 ) -> torch.Tensor:  # [B, T, Hq, D]
-    """decode_attention_reference's result. An FP8 cache or a head_dim not a multiple of 16 takes the path
-    the kernel replaces: the gathered cache through attention_by_reductions (SDPA outside a graph)."""
-    if k_cache.dtype == torch.bfloat16 and q.dtype == torch.bfloat16 and q.shape[-1] % 16 == 0:
+    """decode_attention_reference's result. An FP8 cache or a head_dim that is not a multiple of 32 up to
+    256 takes the path the kernel replaces: the gathered cache through attention_by_reductions (SDPA
+    outside a graph)."""
+    bf16 = k_cache.dtype == torch.bfloat16 and q.dtype == torch.bfloat16
+    if bf16 and q.shape[-1] % 32 == 0 and q.shape[-1] <= 256:
         kernel = torch.ops.redline_cpu.decode_attention_bf16
         return kernel(q, k_cache, v_cache, positions, tables, kv_len, chunk)
     keys, values = (gather_blocks(c, tables, kv_len).to(q.dtype) for c in (k_cache, v_cache))

@@ -10,7 +10,6 @@
 // on the number of rows or tokens (a verify step's K + 1 queries equal K + 1 one-token steps). A query
 // with no key (lo > hi: never in a step, whose query sees at least itself) gets zeros, as the reference.
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <torch/library.h>
 #include <torch/types.h>
 
@@ -18,13 +17,88 @@
 #include <cmath>
 #include <vector>
 
+#include "avx512_bf16.h"
+
 namespace {
 
+using redline::CHUNK;
 constexpr int64_t LANES = 16;  // fp32 lanes of an AVX-512 register
 
-inline __m512 load_bf16(const uint16_t* p) {  // 16 bf16 -> 16 fp32 (a bf16 is a float's high half)
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+// Where one row's keys for one kv head lie: offsets[j] is the element offset of key lo + j in a cache,
+// entry (lo + j) % BLOCK of block table[(lo + j) / BLOCK]. Example: BLOCK 16, table = [4, 9], lo = 0,
+// Hkv = 1, D = 64: key 17 is block 9, entry 1, at (9 * 16 + 1) * 64. The values lie at the same offsets.
+void key_offsets(const int32_t* table, int64_t lo, int64_t n, int64_t kv_heads, int64_t kv_head,
+                 int64_t block_size, int64_t blocks, int64_t head_dim, std::vector<int64_t>& offsets) {
+  offsets.resize(n);
+  int64_t entry = lo / block_size, slot = lo % block_size;
+  for (int64_t j = 0; j < n; ++entry, slot = 0) {
+    const int64_t block = table[entry];
+    TORCH_CHECK(block >= 0 && block < blocks, "decode_attention_bf16: no block ", block, " in the cache");
+    const int64_t base = (block * kv_heads + kv_head) * block_size;
+    for (; slot < block_size && j < n; ++slot, ++j) offsets[j] = (base + slot) * head_dim;
+  }
+}
+
+// One query (C chunks of 32: head_dim = 32 C) over the n keys at `offsets`, into out[32 C]. Scores 16 keys
+// at a time: vdpbf16ps multiplies the bf16 query and key exactly and adds in fp32, and sums16 adds each
+// key's lanes; then e^(score - top) 16 at a time, and the values weighted by them, divided by their sum at
+// the end. The same arithmetic for every query, whatever else is in the step.
+template <int C>
+void attend(const uint16_t* query_row, const uint16_t* k_cache, const uint16_t* v_cache,
+            const std::vector<int64_t>& offsets, float scale, std::vector<float>& scores, at::BFloat16* out) {
+  __m512bh query[C];
+  for (int c = 0; c < C; ++c) query[c] = redline::load_chunk(query_row + c * CHUNK, CHUNK);
+  const int64_t n = offsets.size();
+  scores.resize((n + LANES - 1) / LANES * LANES);
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  for (int64_t g = 0; g < n; g += LANES) {
+    __m512 dots[LANES];
+    for (int i = 0; i < LANES; ++i) {  // past the last key: the last again, its score masked below
+      const uint16_t* key = k_cache + offsets[std::min<int64_t>(g + i, n - 1)];
+      dots[i] = _mm512_setzero_ps();
+      for (int c = 0; c < C; ++c)
+        dots[i] = _mm512_dpbf16_ps(dots[i], query[c], (__m512bh)_mm512_loadu_si512(key + c * CHUNK));
+    }
+    const __mmask16 real = n - g >= LANES ? 0xFFFF : (__mmask16)((1u << (n - g)) - 1);
+    const __m512 scored =
+        _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), real, redline::sums16(dots), _mm512_set1_ps(scale));
+    _mm512_storeu_ps(scores.data() + g, scored);
+    top = _mm512_max_ps(top, scored);
+  }
+  const __m512 highest = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t g = 0; g < n; g += LANES) {  // lanes past n hold -inf: e^-inf = 0
+    const __m512 e = redline::exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores.data() + g), highest));
+    _mm512_storeu_ps(scores.data() + g, e);
+    total = _mm512_add_ps(total, e);
+  }
+  // A value chunk of 32 bf16 becomes two fp32 registers by interleaving zeros below each bf16 (a bf16 is
+  // a float's high half): in 128-bit quarter q, `low` holds elements 8q..8q+3, `high` 8q+4..8q+7.
+  __m512 acc[2 * C];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t j = 0; j < n; ++j) {
+    const uint16_t* value = v_cache + offsets[j];
+    const __m512 weight = _mm512_set1_ps(scores[j]);
+    for (int c = 0; c < C; ++c) {
+      const __m512i chunk = _mm512_loadu_si512(value + c * CHUNK);
+      const __m512 low = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, chunk));
+      const __m512 high = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, chunk));
+      acc[2 * c] = _mm512_fmadd_ps(weight, low, acc[2 * c]);
+      acc[2 * c + 1] = _mm512_fmadd_ps(weight, high, acc[2 * c + 1]);
+    }
+  }
+  const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+  alignas(64) float low[LANES], high[LANES];
+  for (int c = 0; c < C; ++c) {  // back to element order: lane 4q + e of low is element 32c + 8q + e
+    _mm512_store_ps(low, _mm512_mul_ps(acc[2 * c], inverse));
+    _mm512_store_ps(high, _mm512_mul_ps(acc[2 * c + 1], inverse));
+    for (int q = 0; q < 4; ++q)
+      for (int e = 0; e < 4; ++e) {
+        out[c * CHUNK + 8 * q + e] = at::BFloat16(low[4 * q + e]);
+        out[c * CHUNK + 8 * q + 4 + e] = at::BFloat16(high[4 * q + e]);
+      }
+  }
 }
 
 // q [B, T, Hq, D]; k_cache, v_cache [blocks, Hkv, BLOCK, D]; positions [B, T] int64; tables [B, n] int32
@@ -39,9 +113,11 @@ at::Tensor decode_attention_bf16(const at::Tensor& q_in, const at::Tensor& k_cac
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && tables.scalar_type() == at::kInt,
               "decode_attention_bf16: contiguous caches, int32 tables");
   const int64_t batch = q_in.size(0), head_dim = q_in.size(3);
-  TORCH_CHECK(head_dim == k_cache.size(3) && head_dim % LANES == 0 && k_cache.size(1) > 0 &&
+  const bool supported = head_dim % CHUNK == 0 && head_dim <= 8 * CHUNK;
+  TORCH_CHECK(supported && head_dim == k_cache.size(3) && k_cache.size(1) > 0 &&
                   q_in.size(2) % k_cache.size(1) == 0,
-              "decode_attention_bf16: q's head_dim is the cache's, a multiple of 16; Hq a multiple of Hkv");
+              "decode_attention_bf16: q's head_dim is the cache's, a multiple of 32 up to 256; "
+              "Hq a multiple of Hkv");
   TORCH_CHECK(positions_in.sizes() == q_in.sizes().slice(0, 2), "decode_attention_bf16: positions [B, T]");
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == batch && kv_len <= tables.size(1) * k_cache.size(2),
               "decode_attention_bf16: tables [B, n] covering kv_len positions");
@@ -59,46 +135,27 @@ at::Tensor decode_attention_bf16(const at::Tensor& q_in, const at::Tensor& k_cac
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int32_t* tab = table.data_ptr<int32_t>();
   auto* os = out.data_ptr<at::BFloat16>();
+  using Attend = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, const std::vector<int64_t>&,
+                          float, std::vector<float>&, at::BFloat16*);
+  constexpr Attend by_chunks[] = {attend<1>, attend<2>, attend<3>, attend<4>,
+                                  attend<5>, attend<6>, attend<7>, attend<8>};
+  const Attend run = by_chunks[D / CHUNK - 1];  // head_dim 64: 2 chunks, attend<2>
   at::parallel_for(0, B * T * Hq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<__m512> query(D / LANES), acc(D / LANES);
     std::vector<float> scores;
+    std::vector<int64_t> offsets;
     for (int64_t task = begin; task < end; ++task) {
       // task = (b * T + t) * Hq + h, q's own layout: T = 2, Hq = 9, task 25 is b = 1, t = 0, h = 7
-      const int64_t b = task / (T * Hq), t = task / Hq % T, h = task % Hq, kv_head = h / G;
+      const int64_t b = task / (T * Hq), t = task / Hq % T, h = task % Hq;
       const int64_t position = pos[b * T + t];
       const int64_t hi = std::min(position, kv_len - 1);
       const int64_t lo = chunk > 0 ? position - position % chunk : 0;
-      const uint16_t* qrow = qs + task * D;  // q is [B, T, Hq, D]: task is (b * T + t) * Hq + h
-      for (int64_t i = 0; i < D / LANES; ++i)
-        query[i] = _mm512_mul_ps(load_bf16(qrow + i * LANES), _mm512_set1_ps(scale));
-      scores.assign(std::max<int64_t>(hi - lo + 1, 0), 0.0f);
-      float top = -INFINITY;
-      for (int64_t j = lo; j <= hi; ++j) {
-        const int64_t block = tab[b * per_row + j / BLOCK];
-        TORCH_CHECK(block >= 0 && block < blocks, "decode_attention_bf16: no block ", block, " in the cache");
-        const uint16_t* key = ks + ((block * Hkv + kv_head) * BLOCK + j % BLOCK) * D;
-        __m512 products = _mm512_setzero_ps();
-        for (int64_t i = 0; i < D / LANES; ++i)
-          products = _mm512_fmadd_ps(query[i], load_bf16(key + i * LANES), products);
-        const float dot = _mm512_reduce_add_ps(products);
-        scores[j - lo] = dot;
-        top = std::max(top, dot);
+      at::BFloat16* task_out = os + task * D;
+      if (lo > hi) {
+        std::fill(task_out, task_out + D, at::BFloat16(0.0f));
+        continue;
       }
-      float total = 0.0f;
-      for (float& s : scores) total += (s = std::exp(s - top));
-      std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());
-      for (int64_t j = lo; j <= hi; ++j) {
-        const int64_t block = tab[b * per_row + j / BLOCK];
-        const uint16_t* value = vs + ((block * Hkv + kv_head) * BLOCK + j % BLOCK) * D;
-        const __m512 weight = _mm512_set1_ps(scores[j - lo] / total);
-        for (int64_t i = 0; i < D / LANES; ++i)
-          acc[i] = _mm512_fmadd_ps(weight, load_bf16(value + i * LANES), acc[i]);
-      }
-      alignas(64) float sums[LANES];
-      for (int64_t i = 0; i < D / LANES; ++i) {
-        _mm512_store_ps(sums, acc[i]);
-        for (int64_t l = 0; l < LANES; ++l) os[task * D + i * LANES + l] = at::BFloat16(sums[l]);
-      }
+      key_offsets(tab + b * per_row, lo, hi - lo + 1, Hkv, h / G, BLOCK, blocks, D, offsets);
+      run(qs + task * D, ks, vs, offsets, scale, scores, task_out);  // q is [B, T, Hq, D] as the tasks
     }
   });
   return out;

@@ -1,47 +1,65 @@
 // y[M, N] = x[M, K] @ w[N, K]^T for the few rows of a decode step, bf16 in and out, fp32 sums.
 //
 // It takes every row of a decode step (layers/linear.product). Decode reads every weight once per step,
-// so the product is a stream over w: each thread takes a contiguous range of w's rows and reads each row
-// front to back (one sequential stream the hardware prefetcher follows), with an explicit prefetch of
-// the row PREFETCH_ROWS ahead. AVX-512 BF16's vdpbf16ps multiplies 32 bf16 pairs and adds them into 16
-// fp32 lanes; ACCUMULATORS independent sums per row keep the instruction's latency off the critical
-// path. Each x row is reduced separately in the same order for every M, so a row's result does not
-// depend on how many rows came with it (a verify step's B x (K + 1) rows equal one-row products, bit for
-// bit).
-//
-// Worked example of the tail mask: K = 70 runs two full 32-element chunks (k = 0, 32), then k = 64
-// has 6 elements left, mask (1 << 6) - 1 = 0b111111 loads them and zeros the other 26 lanes.
+// so the product is a stream over w: each thread takes a contiguous range of w's rows and reads them front
+// to back, prefetching PREFETCH_ROWS rows ahead as it goes. Each 32-element chunk of a w row is loaded
+// once and multiplied with the same chunk of up to 4 x rows (X_TILE) by AVX-512 BF16's vdpbf16ps. Each
+// (x row, w row) pair has one fp32 accumulator that adds the chunks in order; a tile of 4 w rows x up to 4
+// x rows (W_TILE x X_TILE) then sums its 16 accumulators' lanes by the same tree (sums16) whatever the
+// tile holds. So a row's result does not depend on how many rows came with it: a verify step's
+// B x (K + 1) rows equal one-row products, bit for bit.
 #include <ATen/Parallel.h>
-#include <immintrin.h>
-
-#include <algorithm>
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include "avx512_bf16.h"
+
 namespace {
 
-constexpr int64_t ACCUMULATORS = 4;
+using redline::CHUNK;
+constexpr int64_t W_TILE = 4, X_TILE = 4;
 constexpr int64_t PREFETCH_ROWS = 8;
-constexpr int64_t CHUNK = 32;  // bf16 elements per vdpbf16ps
 
-inline __m512bh load_chunk(const uint16_t* p, int64_t left) {
-  if (left >= CHUNK) return (__m512bh)_mm512_loadu_si512(p);
-  return (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)((1u << left) - 1), p);
+// acc[m * W_TILE] += x[m, k:k + 32] . w[k:k + 32] for one w row, zeros past `left` elements; prefetches the
+// chunk `ahead` elements further (PREFETCH_ROWS rows, or 0 near the end of the thread's rows).
+template <int XR>
+__attribute__((always_inline)) inline void add_chunk(const uint16_t* x, const uint16_t* w, int64_t K,
+                                                     int64_t left, int64_t ahead, __m512* acc) {
+  const __m512bh row = redline::load_chunk(w, left);
+  _mm_prefetch(reinterpret_cast<const char*>(w + ahead), _MM_HINT_T0);
+  for (int m = 0; m < XR; ++m)
+    acc[m * W_TILE] = _mm512_dpbf16_ps(acc[m * W_TILE], redline::load_chunk(x + m * K, left), row);
 }
 
-float row_dot(const uint16_t* x, const uint16_t* w, int64_t K) {
-  __m512 sums[ACCUMULATORS];
-  for (auto& s : sums) s = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + CHUNK * ACCUMULATORS <= K; k += CHUNK * ACCUMULATORS)
-    for (int64_t i = 0; i < ACCUMULATORS; ++i) {
-      const int64_t at = k + CHUNK * i;
-      sums[i] = _mm512_dpbf16_ps(sums[i], load_chunk(x + at, CHUNK), load_chunk(w + at, CHUNK));
-    }
-  for (; k < K; k += CHUNK)
-    sums[0] = _mm512_dpbf16_ps(sums[0], load_chunk(x + k, K - k), load_chunk(w + k, K - k));
-  for (int64_t i = 1; i < ACCUMULATORS; ++i) sums[0] = _mm512_add_ps(sums[0], sums[i]);
-  return _mm512_reduce_add_ps(sums[0]);
+// y[m, r] for the XR x rows at x and the WR w rows at w; y points at y[m0, n0], rows N apart. One w row
+// after another, front to back, as memory streams them (the rows' sums are independent: the core overlaps
+// them).
+template <int XR, int WR>
+void tile(const uint16_t* x, const uint16_t* w, int64_t K, int64_t N, int64_t ahead, at::BFloat16* y) {
+  __m512 acc[16];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  for (int r = 0; r < WR; ++r) {
+    int64_t k = 0;
+    for (; k + CHUNK <= K; k += CHUNK) add_chunk<XR>(x + k, w + r * K + k, K, CHUNK, ahead, acc + r);
+    if (k < K) add_chunk<XR>(x + k, w + r * K + k, K, K - k, ahead, acc + r);
+  }
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, redline::sums16(acc));  // sums[m * W_TILE + r] = y[m, r]
+  for (int m = 0; m < XR; ++m)
+    for (int r = 0; r < WR; ++r) y[m * N + r] = at::BFloat16(sums[m * W_TILE + r]);
+}
+
+template <int WR>
+void w_rows(const uint16_t* x, int64_t M, const uint16_t* w, int64_t K, int64_t N, int64_t ahead,
+            at::BFloat16* y) {
+  int64_t m = 0;
+  for (; m + X_TILE <= M; m += X_TILE) tile<X_TILE, WR>(x + m * K, w, K, N, ahead, y + m * N);
+  switch (M - m) {  // the last 1-3 x rows
+    case 3: tile<3, WR>(x + m * K, w, K, N, ahead, y + m * N); break;
+    case 2: tile<2, WR>(x + m * K, w, K, N, ahead, y + m * N); break;
+    case 1: tile<1, WR>(x + m * K, w, K, N, ahead, y + m * N); break;
+    default: break;
+  }
 }
 
 at::Tensor few_rows_bf16(const at::Tensor& x, const at::Tensor& w) {  // x [M, K], w [N, K] -> [M, N]
@@ -56,14 +74,12 @@ at::Tensor few_rows_bf16(const at::Tensor& x, const at::Tensor& w) {  // x [M, K
   const auto* ws = reinterpret_cast<const uint16_t*>(w.data_ptr());
   auto* ys = y.data_ptr<at::BFloat16>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const uint16_t* row = ws + n * K;
-      if (n + PREFETCH_ROWS < end) {
-        const char* ahead = reinterpret_cast<const char*>(row + PREFETCH_ROWS * K);
-        for (int64_t byte = 0; byte < K * 2; byte += 64) _mm_prefetch(ahead + byte, _MM_HINT_T0);
-      }
-      for (int64_t m = 0; m < M; ++m) ys[m * N + n] = at::BFloat16(row_dot(xs + m * K, row, K));
+    int64_t n = begin;
+    for (; n + W_TILE <= end; n += W_TILE) {
+      const int64_t ahead = n + W_TILE + PREFETCH_ROWS <= end ? PREFETCH_ROWS * K : 0;  // within our rows
+      w_rows<W_TILE>(xs, M, ws + n * K, K, N, ahead, ys + n);
     }
+    for (; n < end; ++n) w_rows<1>(xs, M, ws + n * K, K, N, 0, ys + n);  // the last 1-3 w rows
   });
   return y;
 }
