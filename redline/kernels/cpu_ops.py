@@ -8,7 +8,7 @@ per machine and torch version with torch's own extension builder and registered 
 - `decode_attention_bf16` (csrc/decode_attention_bf16.cpp): a decode step's few queries over the paged
   cache through the block tables, as kernels/decode_attention.py on CUDA (same arguments, same
   definition: decode_attention_reference), with no gathered keys and no mask tensors: scores 16 keys at
-  a time, its own vector e^x, about 3.5 ns a key and head on one core.
+  a time, its own vector e^x (BENCHMARKS.md "Leaner decode kernels and no guard lookup").
 
 Both share csrc/avx512_bf16.h (bf16 loads, the sum of 16 registers' lanes, e^x); a change to any file
 there is a new build.

@@ -12,7 +12,7 @@ from redline.config import ModelConfig
 from redline.kernels.attention_core import STEP_QUERIES
 from redline.kernels.paged_kv import BLOCK, gather_blocks, kv_bucket
 from redline.layers.backends import TORCH, Backends, backend_name
-from redline.layers.linear import Linear, product
+from redline.layers.linear import Linear, fuse_weights, product
 from redline.layers.norm import rms_normalize
 from redline.layers.rotary import Rotary
 from redline.quant.fp8 import FP8, FP8_MAX
@@ -122,17 +122,10 @@ class Attention(nn.Module):
         self.qkv_weight: torch.Tensor | None = None  # [q + 2 kv features, in]: see fuse_qkv
 
     def fuse_qkv(self) -> None:
-        """After loading, with fused projections: q_proj, k_proj and v_proj become views of one weight (no
-        extra memory), multiplied once per step. Not when quantization replaced the linears."""
-        projections = (self.q_proj, self.k_proj, self.v_proj)
-        if not self.fuse or self.qkv_weight is not None or any(type(p) is not Linear for p in projections):
-            return
-        fused = torch.cat([p.weight.detach() for p in projections])
-        start = 0
-        for p in projections:
-            p.weight = nn.Parameter(fused[start : start + p.out_features], requires_grad=False)
-            start += p.out_features
-        self.qkv_weight = fused
+        """After loading, with fused projections: q_proj, k_proj and v_proj become views of one weight,
+        multiplied once per step (linear.fuse_weights). Not when quantization replaced the linears."""
+        if self.fuse and self.qkv_weight is None:
+            self.qkv_weight = fuse_weights((self.q_proj, self.k_proj, self.v_proj))
 
     def forward(
         self,

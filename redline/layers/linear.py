@@ -21,7 +21,7 @@ the C++ kernel of kernels/cpu_ops.py for bf16 on CPUs with AVX-512 BF16 (eager a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -84,6 +84,20 @@ def product(
 def tokens_per_sequence(x: torch.Tensor) -> int:  # x [B, T, features] or [rows, features]
     """T for a batch of sequences; a 2-D input counts as one sequence of its rows."""
     return x.shape[-2] if x.dim() > 2 else x.shape[0]
+
+
+def fuse_weights(linears: Sequence[nn.Module]) -> torch.Tensor | None:
+    """After loading: the linears' weights become views of one [sum of out_features, in] weight (no extra
+    memory), returned to be multiplied once (q/k/v, gate/up); None, changing nothing, when any is not a
+    plain Linear (quantization replaced it)."""
+    if any(type(p) is not Linear for p in linears):
+        return None
+    fused = torch.cat([p.weight.detach() for p in linears])
+    start = 0
+    for p in linears:
+        p.weight = nn.Parameter(fused[start : start + p.out_features], requires_grad=False)
+        start += p.out_features
+    return fused
 
 
 class Linear(nn.Linear):

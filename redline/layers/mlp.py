@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from redline.layers.backends import TORCH, Backends, backend_name
-from redline.layers.linear import Linear, product, tokens_per_sequence
+from redline.layers.linear import Linear, fuse_weights, product, tokens_per_sequence
 
 
 class MLP(nn.Module):
@@ -40,16 +40,11 @@ class MLP(nn.Module):
         """After loading, for the SwiGLU kernel or fused projections: gate_proj and up_proj become views of
         one weight (no extra memory). Nothing to do without either, or when quantization replaced the
         linears."""
-        gate, up = self.gate_proj, self.up_proj
         if (self.swiglu is None and not self.fuse) or self.gate_up_weight is not None:
             return
-        if not (type(gate) is Linear and type(up) is Linear):  # quantized after construction (tests do)
+        self.gate_up_weight = fuse_weights((self.gate_proj, self.up_proj))
+        if self.gate_up_weight is None:  # quantized after construction (tests do)
             self.swiglu, self.fuse = None, False
-            return
-        fused = torch.cat((gate.weight.detach(), up.weight.detach()))
-        gate.weight = nn.Parameter(fused[: gate.out_features], requires_grad=False)
-        up.weight = nn.Parameter(fused[gate.out_features :], requires_grad=False)
-        self.gate_up_weight = fused
 
     def extra_repr(self) -> str:
         return "" if self.swiglu is None else f"gate_up + {backend_name(self.swiglu)}"

@@ -143,6 +143,8 @@ at::Tensor decode_attention_bf16(const at::Tensor& q_in, const at::Tensor& k_cac
   at::parallel_for(0, B * T * Hq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<int64_t> offsets;
+    // (b, kv head, lo, hi) that `offsets` holds: consecutive tasks are the G query heads of one kv head
+    int64_t walked[4] = {-1, -1, -1, -1};
     for (int64_t task = begin; task < end; ++task) {
       // task = (b * T + t) * Hq + h, q's own layout: T = 2, Hq = 9, task 25 is b = 1, t = 0, h = 7
       const int64_t b = task / (T * Hq), t = task / Hq % T, h = task % Hq;
@@ -154,7 +156,11 @@ at::Tensor decode_attention_bf16(const at::Tensor& q_in, const at::Tensor& k_cac
         std::fill(task_out, task_out + D, at::BFloat16(0.0f));
         continue;
       }
-      key_offsets(tab + b * per_row, lo, hi - lo + 1, Hkv, h / G, BLOCK, blocks, D, offsets);
+      const int64_t walk[4] = {b, h / G, lo, hi};
+      if (!std::equal(walk, walk + 4, walked)) {
+        key_offsets(tab + b * per_row, lo, hi - lo + 1, Hkv, h / G, BLOCK, blocks, D, offsets);
+        std::copy(walk, walk + 4, walked);
+      }
       run(qs + task * D, ks, vs, offsets, scale, scores, task_out);  // q is [B, T, Hq, D] as the tasks
     }
   });
