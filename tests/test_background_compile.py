@@ -106,6 +106,43 @@ def test_a_chunked_2000_token_prefill_switches_between_its_chunks(pair, gate):
     assert greedy_divergence_is_a_near_tie(eager.model, prompt, got.token_ids, want.token_ids)
 
 
+def test_the_compiled_runner_prefills_eagerly_until_its_prefill_compiles(pair, monkeypatch):
+    """Phase 2: once the decode step is compiled the engine switches, and a prompt arriving before the prefill
+    graphs are compiled is prefilled eagerly on the compiled runner (compiling nothing); then the prefill
+    runs compiled. Both give the eager engine's tokens."""
+    target, draft = pair
+    prefill_gate, warm_up = threading.Event(), background_compile.warm_up
+
+    def gated(*args, steps: bool = True, **kwargs) -> bool:
+        if not steps:  # phase 2: the prefill
+            prefill_gate.wait()
+        return warm_up(*args, steps=steps, **kwargs)
+
+    monkeypatch.setattr(background_compile, "warm_up", gated)
+    llm = LLM(target, compile=True, compile_in_background=True, **options(draft))
+    try:
+        assert llm.executor.step_ready.wait(timeout=900)
+        params = SamplingParams(max_tokens=40, ignore_eos=True)
+        first, second = (torch.randint(5, 384, (n,)).tolist() for n in (37, 21))
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        [early] = llm.generate([first], params)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # not compiled here
+        runner = llm.runner
+        assert llm.executor.compiled and runner.compiled_prefill.deferred and not llm.wait_compiled(timeout=0)
+    finally:
+        prefill_gate.set()
+    assert llm.wait_compiled(timeout=900) and not runner.compiled_prefill.deferred
+    assert runner.compiled_prefill.frozen and runner.compiled_step.frozen
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a prefill shape the warm-up missed would run eagerly, warning
+        [late] = llm.generate([second], params)
+    eager = LLM(target, compile=False, **options(draft))
+    for prompt, got in ((first, early), (second, late)):
+        [want] = eager.generate([prompt], params)
+        assert len(got.token_ids) == 40
+        assert greedy_divergence_is_a_near_tie(eager.model, prompt, got.token_ids, want.token_ids)
+
+
 def test_a_failed_compile_leaves_the_eager_runner_serving(pair, monkeypatch, capsys):
     target, draft = pair
 
@@ -122,6 +159,28 @@ def test_a_failed_compile_leaves_the_eager_runner_serving(pair, monkeypatch, cap
     assert "background compile failed (RuntimeError: inductor is out of order); running eagerly" in (
         capsys.readouterr().err
     )
+
+
+def test_a_failed_prefill_compile_leaves_the_compiled_step_serving(pair, monkeypatch, capsys):
+    """Phase 2 fails: the compiled step keeps serving, prompts are prefilled eagerly, and the error is kept
+    and said."""
+    target, draft = pair
+    warm_up = background_compile.warm_up
+
+    def prefill_broken(*args, steps: bool = True, **kwargs) -> bool:
+        if not steps:
+            raise RuntimeError("inductor is out of order")
+        return warm_up(*args, steps=steps, **kwargs)
+
+    monkeypatch.setattr(background_compile, "warm_up", prefill_broken)
+    llm = LLM(target, compile=True, compile_in_background=True, **{**options(draft), "progress": True})
+    assert not llm.wait_compiled(timeout=900)  # finished, failed
+    prompt = torch.randint(5, 384, (12,)).tolist()
+    [got] = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert len(got.token_ids) == 8 and llm.executor.compiled and llm.runner.compiled_prefill.deferred
+    assert isinstance(llm.executor.error, RuntimeError)
+    said = capsys.readouterr().err
+    assert "background compile failed (RuntimeError: inductor is out of order); running the prefill" in said
 
 
 def test_when_the_engine_compiles_in_the_background():

@@ -3,7 +3,7 @@ variations."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
@@ -75,6 +75,24 @@ class AttentionBatch:
                 key_groups = _key_groups(positions, kv_len)
         return cls(positions, tables, kv_len, full, chunked, cos, sin, temperature, write_at, key_groups)
 
+    def leaves(self) -> tuple:
+        """The fields in order as one tuple, write_at unpacked: in a compiled graph only tensors, ints and
+        Nones (key_groups is eager's), what a nested compile region takes without dynamo flattening it again
+        for every layer (models/llama.run_layer)."""
+        block, row = self.write_at if self.write_at is not None else (None, None)
+        head = (self.positions, self.tables, self.kv_len, self.full_mask, self.chunked_mask, self.cos)
+        return (*head, self.sin, self.temperature, block, row, self.key_groups)
+
+    @classmethod
+    def from_leaves(cls, leaves: tuple) -> AttentionBatch:
+        """The inverse of leaves()."""
+        assert len(leaves) == _LEAVES, "leaves(): one entry per field, two for write_at"
+        *head, block, row, key_groups = leaves
+        return cls(*head, None if block is None else (block, row), key_groups)
+
+
+_LEAVES = len(fields(AttentionBatch)) + 1
+
 
 def _key_groups(positions: torch.Tensor, kv_len: int) -> tuple[tuple[int, torch.Tensor], ...]:
     """Rows grouped by the kv bucket of the keys they need (host values: the eager CPU path only). Rows
@@ -83,10 +101,6 @@ def _key_groups(positions: torch.Tensor, kv_len: int) -> tuple[tuple[int, torch.
     for row, last in enumerate(positions.amax(dim=1).tolist()):
         groups.setdefault(kv_bucket(last + 1, kv_len), []).append(row)
     return tuple((length, torch.tensor(rows, device=positions.device)) for length, rows in groups.items())
-
-
-# a pytree node, so that a decoder layer called with it can be a nested compile region (models/llama.py)
-torch.utils._pytree.register_dataclass(AttentionBatch)
 
 
 class Attention(nn.Module):

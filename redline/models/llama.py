@@ -65,12 +65,21 @@ class DecoderLayer(nn.Module):
 
 
 @torch.compiler.nested_compile_region
-def run_layer(
-    layer: DecoderLayer, x: torch.Tensor, batch: AttentionBatch, cache: KVLayer | None
+def _layer_region(
+    layer: DecoderLayer, x: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, *batch: object
 ) -> torch.Tensor:
+    return layer(x, AttentionBatch.from_leaves(batch), None if k is None else (k, v))
+
+
+def run_layer(layer: DecoderLayer, x: torch.Tensor, batch: tuple, cache: KVLayer | None) -> torch.Tensor:
     """One decoder layer. Inside torch.compile a nested compile region: compiled once per kind of layer
-    and shape, and every layer of that kind calls the same code with its own weights and cache."""
-    return layer(x, batch, cache)
+    and shape, and every layer of that kind calls the same code with its own weights and cache.
+
+    batch: AttentionBatch.leaves(). The region takes only flat tensors, ints, Nones and the module: dynamo
+    then matches each call to the traced layer by its arguments directly, where a dataclass or tuple
+    argument made it flatten them through pytree for every layer (BENCHMARKS.md "Start-up in seconds")."""
+    k, v = cache if cache is not None else (None, None)
+    return _layer_region(layer, x, k, v, *batch)
 
 
 class Decoder(nn.Module):
@@ -132,12 +141,12 @@ class LlamaForCausalLM(nn.Module):
             key_positions = torch.arange(kv_len, device=tokens.device)[None]
         batch = AttentionBatch.build(self.config, self.model.rotary, positions, key_positions, tables)
         x = self.model.embed_tokens(tokens)
-        captured = {}
+        captured, leaves = {}, batch.leaves()
         for i, layer in enumerate(self.model.layers):
             if i in self.aux_layers:
                 captured[i] = x
             kv = None if cache is None else cache[i]
-            x = run_layer(layer, x, batch, kv) if self.layer_regions else layer(x, batch, kv)
+            x = run_layer(layer, x, leaves, kv) if self.layer_regions else layer(x, batch, kv)
         captured[len(self.model.layers)] = x
         aux = torch.cat([captured[i] for i in self.aux_layers], dim=-1) if self.aux_layers else None
         return self.model.norm(x), aux

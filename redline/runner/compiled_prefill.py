@@ -23,7 +23,7 @@ import torch.fx.experimental._config as fx_config
 
 from redline.models.kv_cache import KVCache
 from redline.models.llama import LlamaForCausalLM
-from redline.runner.compiling import own_copy, room_for
+from redline.runner.compiling import STANCE, own_copy, remember_isa_probes, room_for
 from redline.runner.plan import ALIGN, padded_len
 
 Forwarded = tuple[torch.Tensor, torch.Tensor | None]  # (hidden [B, L, H], aux [B, L, A] or None)
@@ -45,6 +45,10 @@ def prefill_shapes(cache_len: int, branches: Iterable[int] = ()) -> list[tuple[i
     return sorted(shapes)
 
 
+def _marker(kv_len: int, device: torch.device) -> torch.Tensor:  # [kv_len] int8, never read
+    return torch.empty(kv_len, dtype=torch.int8, device=device)
+
+
 def _through_marker(model: LlamaForCausalLM, cache: KVCache) -> Callable[..., Forwarded]:
     def forward(
         tokens: torch.Tensor,  # [B, L]
@@ -61,9 +65,13 @@ class CompiledPrefill:
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, graphs: int):
         """graphs: how many the warm-up's shapes compile (two per shape at most)."""
         self.graphs = graphs
+        remember_isa_probes()
         self._forward = _through_marker(model, cache)
         self.compiled = torch.compile(own_copy(self._forward), fullgraph=True, dynamic=False)
         self.frozen = False
+        # set while another thread compiles the graphs (compile_shape) as this runner serves: calls then
+        # run the forward eagerly (runner/background_compile.py)
+        self.deferred = False
 
     def freeze(self) -> None:
         """From now on a call that would compile runs eagerly instead, with a warning."""
@@ -78,7 +86,15 @@ class CompiledPrefill:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model's (hidden [B, L, H], aux [B, L, A] or None), keys and values written through
         `tables` at `positions`."""
-        marker = torch.empty(kv_len, dtype=torch.int8, device=tokens.device)
+        if self.deferred:
+            return self._forward(tokens, positions, tables, _marker(kv_len, tokens.device))
+        return self.compile_shape(tokens, positions, tables, kv_len)
+
+    def compile_shape(
+        self, tokens: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, kv_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As a call, compiling the graph for these shapes if none serves them yet (and not frozen)."""
+        marker = _marker(kv_len, tokens.device)
         # maybe_: a forward may branch on the token count (the MoE's few-token path), which narrows a
         # dimension's range; each side then gets its own graph (prefill_shapes lists both for the warm-up)
         for tensor, dims in ((tokens, (0, 1)), (positions, (0, 1)), (tables, (0,)), (marker, (0,))):
@@ -86,6 +102,7 @@ class CompiledPrefill:
                 torch._dynamo.maybe_mark_dynamic(tensor, dim)
         try:
             with (
+                STANCE,
                 torch.compiler.set_stance("fail_on_recompile" if self.frozen else "default"),
                 fx_config.patch(use_duck_shape=False),
                 room_for(self.graphs),

@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 import torch
 
-from redline.runner.compiling import own_copy, room_for
+from redline.runner.compiling import STANCE, own_copy, remember_isa_probes, room_for
 
 Step = Callable[[int, int, bool], torch.Tensor]
 
@@ -51,6 +51,7 @@ class CompiledStep:
     def __init__(self, step: Step, cache_len: int, device: torch.device, graphs: int):
         """graphs: the (rows, sampling) pairs the step will run at."""
         self.step, self.graphs = step, graphs
+        remember_isa_probes()
         self.kv_index = torch.arange(cache_len + 1, device=device)  # its views carry kv_len into the graph
         # size_asserts off: the wrapper checked every input's and layer call's strides in Python, ~800
         # checks a step for 30 layers; the inputs are the runner's own fixed tensors (as for the guards)
@@ -94,5 +95,5 @@ class CompiledStep:
                 )
             return out
         stance = "fail_on_recompile" if self.frozen else "default"
-        with torch.compiler.set_stance(stance, skip_guard_eval_unsafe=True):
+        with STANCE, torch.compiler.set_stance(stance, skip_guard_eval_unsafe=True):
             return self.compiled(rows, kv_index, any_sampling)

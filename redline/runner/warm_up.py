@@ -15,7 +15,6 @@ are read.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import torch
@@ -47,42 +46,56 @@ def step_keys_to_run(runner: ModelRunner) -> list[tuple[int, int, bool]]:
 
 @torch.inference_mode()
 def warm_up(
-    runner: ModelRunner, progress: bool = True, prompt: bool = True, stop: threading.Event | None = None
+    runner: ModelRunner,
+    progress: bool = True,
+    prompt: bool = True,
+    go_on: Callable[[], bool] | None = None,
+    steps: bool = True,
+    prefill: bool = True,
 ) -> bool:
     """prompt=False leaves out the eager prompt run, which writes the pool's first blocks: a runner that
     shares its KV pool with one serving requests (runner/background_compile.py) touches only the scratch
-    block. stop: checked between shapes; once set, the warm-up returns False, unfinished (not frozen)."""
+    block. steps / prefill: which stages to compile (and then freeze). go_on: called before each shape (it
+    may wait for its turn); once it says False, the warm-up returns False, unfinished (not frozen)."""
     shapes = runner.shapes
     work: list[tuple[str, Callable[[], object]]] = []
-    if runner.compiled_prefill is not None:
+    if prefill and runner.compiled_prefill is not None:
         for rows, n in prefill_shapes(shapes.cache_len, runner.model.token_count_branches()):
-            if rows <= shapes.slots:  # free slots' tables: every write lands in the scratch block
+            if rows <= shapes.slots:  # the batches a prefill can have
                 work.append((f"prefill {rows}x{n}", lambda rows=rows, n=n: _prefill(runner, rows, n)))
-    for rows, kv_len, sampling in step_keys_to_run(runner):
-        key = (rows, kv_len, sampling)
-        work.append((f"step {rows}x{kv_len}", lambda key=key: runner.run_step(*key)))
+    if steps:
+        for key in step_keys_to_run(runner):
+            work.append((f"step {key[0]}x{key[1]}", lambda key=key: runner.run_step(*key)))
     if prompt:
         work.append(("prompt", lambda: _prompt(runner)))
     with tqdm(work, desc="compiling" if runner.compiled_step else "capturing", disable=not progress) as bar:
         for name, run in bar:
-            if stop is not None and stop.is_set():
+            if go_on is not None and not go_on():
                 return False
             bar.set_postfix_str(name)
             run()
-    for stage in (runner.compiled_prefill, runner.compiled_step, runner.graphed_step):
+    stages = []
+    if steps:
+        stages += [runner.compiled_step, runner.graphed_step]
+    if prefill:
+        stages.append(runner.compiled_prefill)
+    for stage in stages:
         if stage is not None:
             stage.freeze()
     return True
 
 
 def _prefill(runner: ModelRunner, rows: int, length: int) -> None:
-    """One compiled prefill of `rows` x `length` tokens over free slots' tables (the scratch block)."""
+    """One compiled prefill of `rows` x `length` tokens whose every write lands in the scratch block (the
+    pool's other blocks may hold a serving runner's keys)."""
     assert runner.compiled_prefill is not None
-    device = runner.device
+    device, cache = runner.device, runner.cache
     tokens = torch.zeros((rows, length), dtype=torch.int64, device=device)
     positions = torch.arange(length, device=device).expand(rows, -1).contiguous()
-    tables = runner.cache.table[torch.arange(rows, device=device)]
-    runner.compiled_prefill(tokens, positions, tables, min(length + BLOCK, runner.shapes.cache_len))
+    tables = torch.full((rows, cache.table.shape[1]), cache.scratch_block, dtype=torch.int32, device=device)
+    runner.compiled_prefill.compile_shape(
+        tokens, positions, tables, min(length + BLOCK, runner.shapes.cache_len)
+    )
 
 
 def _prompt(runner: ModelRunner) -> None:
