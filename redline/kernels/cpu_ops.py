@@ -8,10 +8,14 @@ per machine and torch version with torch's own extension builder and registered 
 - `decode_attention_bf16` (csrc/decode_attention_bf16.cpp): a decode step's few queries over the paged
   cache through the block tables, as kernels/decode_attention.py on CUDA (same arguments, same
   definition: decode_attention_reference), with no gathered keys and no mask tensors: scores 16 keys at
-  a time, its own vector e^x (BENCHMARKS.md "Leaner decode kernels and no guard lookup").
+  a time, its own vector e^x (BENCHMARKS.md "Leaner decode kernels and no guard lookup");
+- `dense_layer_bf16` (csrc/dense_layer_bf16.cpp): a whole dense decoder layer of a decode step (norms,
+  products, rotary, the cache write, attention, SwiGLU, residuals) as one call, composed of the two kernels
+  above (csrc/kernels.h) and row-wise vector code: a compiled step made about 12 calls from its Python per
+  layer (BENCHMARKS.md "One call a decoder layer").
 
-Both share csrc/avx512_bf16.h (bf16 loads, the sum of 16 registers' lanes, e^x); a change to any file
-there is a new build.
+They share csrc/avx512_bf16.h (bf16 loads, the sum of 16 registers' lanes, e^x) and csrc/kernels.h; a
+change to any file there is a new build.
 
 Where they cannot run (no AVX-512 BF16, no C++ compiler or ninja, REDLINE_CPU_KERNELS=0, a failed
 build), `load()` is False and layers/backends.py keeps torch's and inductor's paths.
@@ -37,7 +41,9 @@ from redline.kernels.paged_kv import gather_blocks
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp"]
+# -ffp-contract=off: a * b + c rounds twice, as torch and inductor round it (g++ fuses it into one FMA by
+# default, which moved the one-call layer's rotary off torch's)
+FLAGS = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
 STALE_LOCK_S = 600  # a build takes well under a minute: an older lock was left by a killed process
 
 
@@ -114,6 +120,7 @@ def load() -> bool:
     torch.library.register_fake("redline_cpu::decode_attention_bf16")(
         lambda q, k_cache, v_cache, positions, tables, kv_len, chunk: q.new_empty(q.shape)  # [B, T, Hq, D]
     )
+    torch.library.register_fake("redline_cpu::dense_layer_bf16")(lambda x, *_: x.new_empty(x.shape))
     return True
 
 
@@ -141,3 +148,26 @@ def decode_attention_bf16(
         return kernel(q, k_cache, v_cache, positions, tables, kv_len, chunk)
     keys, values = (gather_blocks(c, tables, kv_len).to(q.dtype) for c in (k_cache, v_cache))
     return attention_by_reductions(q, keys, values, step_mask(positions, kv_len, chunk))
+
+
+def dense_layer_bf16(
+    x: torch.Tensor,  # [B, T, H]
+    k_cache: torch.Tensor,  # [blocks, Hkv, BLOCK, D], written at the positions
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,  # [B, T]
+    tables: torch.Tensor,  # [B, blocks per sequence] int32
+    kv_len: int,
+    chunk: int,
+    cos: torch.Tensor,  # [B, T, 1, D // 2] fp32
+    sin: torch.Tensor,
+    interleaved: bool,  # rotary pairs (2i, 2i + 1), else (i, i + D / 2)
+    weights: tuple[torch.Tensor, ...],  # input norm [H], qkv [(Hq + 2 Hkv) D, H], o [H, Hq D], post norm [H],
+    #                                     gate_up [2I, H], down [H, I]
+    eps: float,
+    heads: int,  # Hq
+) -> torch.Tensor:  # [B, T, H]
+    """models/llama.DecoderLayer's output for a dense rotary layer at a decode step, in one call; the new keys
+    and values go to the caches at their positions through the tables."""
+    return torch.ops.redline_cpu.dense_layer_bf16(
+        x, k_cache, v_cache, positions, tables, kv_len, chunk, cos, sin, interleaved, *weights, eps, heads
+    )

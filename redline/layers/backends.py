@@ -22,6 +22,7 @@ The rules (BENCHMARKS.md "Few-row linears", "Compiled bf16 decode"):
 |                           |                                       | streamed rows; eager fp32 on AMD or    |
 |                           |                                       | without AVX-512: W @ x^T               |
 | decoder layers            | one graph                             | compiled: one compile region each kind |
+| dense layer, decode step  | its ops                               | bf16 with AVX-512 BF16: one C++ call   |
 
 `describe()` names what was chosen (`redline info` prints it) and each layer's repr shows its own.
 `TORCH` is the plain torch choice, for models built outside the engine (training, tests).
@@ -48,6 +49,9 @@ CachedAttention = Callable[..., torch.Tensor]
 AttentionCore = Callable[..., torch.Tensor]
 # (attended, residual [..., H], norm weight [H], eps) -> (normed, residual + attended)
 AddNorm = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+# (x [B, T, H], k_cache, v_cache, positions [B, T], tables, kv_len, chunk, cos, sin [B, T, 1, D / 2],
+#  interleaved, weights, eps, heads) -> [B, T, H]: a dense layer's decode step (cpu_ops.dense_layer_bf16)
+DenseLayer = Callable[..., torch.Tensor]
 
 
 def backend_name(fn: Callable[..., Any] | None) -> str:
@@ -72,6 +76,7 @@ class Backends:
     few_rows: FewRows | None = None  # few-row and decode-step products (linear.product); None: F.linear
     layer_regions: bool = False  # decoder layers as nested compile regions (models/llama.run_layer)
     fused_projections: bool = False  # q/k/v and gate/up multiplied as one weight each, once loaded
+    dense_layer: DenseLayer | None = None  # a dense layer's decode step in one call; None: the layer's ops
 
     @classmethod
     def choose(
@@ -93,6 +98,8 @@ class Backends:
         if device.type != "cpu":
             return TORCH
         core = attention_by_reductions if compiled else sdpa_attention
+        if compiled:
+            importlib.import_module("torch._inductor.inductor_prims")  # registers what linear.stored uses
         if dtype == torch.bfloat16 and cpu_ops.load():  # a call per weight: fewer, larger weights
             return cls(
                 decode_attention=cpu_ops.decode_attention_bf16,
@@ -100,10 +107,10 @@ class Backends:
                 few_rows=cpu_ops.few_rows_bf16,
                 layer_regions=compiled,
                 fused_projections=True,
+                dense_layer=cpu_ops.dense_layer_bf16,
             )
         few_rows = None
         if compiled and dtype in (torch.float32, torch.bfloat16, torch.float16):
-            importlib.import_module("torch._inductor.inductor_prims")  # registers what linear.stored uses
             few_rows = streamed_rows
         elif dtype == torch.float32 and (cpu_vendor() == "AuthenticAMD" or not avx512()):
             few_rows = weight_times_xt
@@ -139,6 +146,7 @@ class Backends:
             "decode-step linears": backend_name(self.few_rows),
             "layer compile regions": str(self.layer_regions),
             "fused q/k/v and gate/up": str(self.fused_projections),
+            "dense layer decode step": backend_name(self.dense_layer),
         }
 
 

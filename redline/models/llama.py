@@ -7,14 +7,16 @@ Llama 4's `feed_forward` is called `mlp` here; the loader maps the names.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from redline.config import ModelConfig
+from redline.kernels.attention_core import STEP_QUERIES
 from redline.layers.attention import Attention, AttentionBatch
-from redline.layers.backends import TORCH, Backends, backend_name
-from redline.layers.linear import Linear
+from redline.layers.backends import TORCH, Backends, DenseLayer, backend_name
+from redline.layers.linear import WHOLE_STEP_ROWS, Linear, stored
 from redline.layers.mlp import MLP
 from redline.layers.moe import MoE
 from redline.layers.norm import RMSNorm
@@ -41,8 +43,64 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(h, config.intermediate_size, config.mlp_bias, backends)
         self.add_norm = backends.add_norm  # None: torch's add, then the norm module
+        self._dense_layer = backends.dense_layer
+        self.one_call: DenseLayer | None = None  # a decode step's layer in one call, set by keep_one_call
+
+    def keep_one_call(self) -> None:
+        """After loading and fusing the projections: the backends' one-call decode step where it computes this
+        layer: dense, rotary, no q/k norm or query temperature, unsharded, fused contiguous bf16 weights, no
+        biases (the MoE and NoPE layers of Llama 4 keep their ops). Else (and until then) op by op."""
+        attention, mlp = self.self_attn, self.mlp
+        kept = (
+            self._dense_layer is not None
+            and isinstance(mlp, MLP)
+            and mlp.gate_up_weight is not None
+            and mlp.swiglu is None
+            and attention.qkv_weight is not None
+            and attention.use_rope
+            and attention.head_dim % 32 == 0  # the attention kernel's head_dim: a multiple of 32 up to 256
+            and attention.head_dim <= 256
+            and attention.qk_norm_eps is None
+            and not attention.temperature_tuning
+            and self.tp.size == 1
+            and self.input_layernorm.eps == self.post_attention_layernorm.eps
+            and all(type(p) is Linear and p.bias is None for p in (attention.o_proj, mlp.down_proj))
+            # after the checks above, which make these weights tensors
+            and all(w.dtype == torch.bfloat16 and w.is_contiguous() for w in self._one_call_weights())
+        )
+        self.one_call = self._dense_layer if kept else None
+
+    def _one_call_weights(self) -> tuple[torch.Tensor, ...]:
+        """input norm [H], qkv [q + 2kv, H], o [H, q], post-attn norm [H], gate_up [2I, H], down [H, I]"""
+        attention, mlp = self.self_attn, self.mlp
+        projections = (
+            attention.qkv_weight,
+            attention.o_proj.weight,
+            mlp.gate_up_weight,
+            mlp.down_proj.weight,
+        )
+        return (
+            self.input_layernorm.weight,
+            *projections[:2],
+            self.post_attention_layernorm.weight,
+            *projections[2:],
+        )
+
+    def in_one_call(self, x: torch.Tensor, cache: KVLayer | None) -> bool:  # x [B, T, hidden]
+        """Whether forward computes this x in one call: a decode step (static B and T in a compiled step, see
+        Attention.forward) of at most WHOLE_STEP_ROWS rows, as linear.product's kernel rows."""
+        b, t, _ = x.shape
+        step = t <= STEP_QUERIES and b * t <= WHOLE_STEP_ROWS
+        return self.one_call is not None and cache is not None and step and cache[0].dtype == x.dtype
 
     def forward(self, x: torch.Tensor, batch: AttentionBatch, cache: KVLayer | None) -> torch.Tensor:
+        if self.in_one_call(x, cache):
+            assert cache is not None and batch.tables is not None
+            attention, (k, v) = self.self_attn, cache
+            attended = (batch.positions, batch.tables, batch.kv_len, attention.chunk)
+            rotary = (batch.cos, batch.sin, attention.rotary.interleaved)
+            weights, eps = self._one_call_weights(), self.input_layernorm.eps
+            return self.one_call(x, k, v, *attended, *rotary, weights, eps, attention.num_heads)
         normed, x = self.reduce_add_norm(self.self_attn(self.input_layernorm(x), batch, cache), x)
         return x + self.tp.all_reduce(self.mlp(normed))
 
@@ -61,7 +119,7 @@ class DecoderLayer(nn.Module):
         return norm(residual), residual
 
     def extra_repr(self) -> str:
-        return f"add_norm={backend_name(self.add_norm)}"
+        return f"add_norm={backend_name(self.add_norm)}, decode_step={backend_name(self.one_call)}"
 
 
 @torch.compiler.nested_compile_region
@@ -113,8 +171,9 @@ class LlamaForCausalLM(nn.Module):
         self.layer_regions = backends.layer_regions  # decoder layers through run_layer: compile regions
 
     def finish_loading(self) -> None:
-        """After the weights are in: a tied lm_head shares the embedding, and dense MLPs with a SwiGLU kernel
-        or fused projections multiply gate and up as one weight (q, k and v too with fused projections)."""
+        """After the weights are in: a tied lm_head shares the embedding, dense MLPs with a SwiGLU kernel or
+        fused projections multiply gate and up as one weight (q, k and v too with fused projections), and
+        the layers the backends' one-call decode step computes take it (DecoderLayer.keep_one_call)."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         for layer in self.model.layers:
@@ -123,6 +182,7 @@ class LlamaForCausalLM(nn.Module):
                 layer.mlp.fuse_gate_up()
             elif isinstance(layer.mlp, MoE):
                 layer.mlp.shared_expert.fuse_gate_up()
+            layer.keep_one_call()
 
     def forward(
         self,
@@ -140,13 +200,21 @@ class LlamaForCausalLM(nn.Module):
             assert kv_len is not None and tables is not None, "a cached forward needs tables and a kv_len"
             key_positions = torch.arange(kv_len, device=tokens.device)[None]
         batch = AttentionBatch.build(self.config, self.model.rotary, positions, key_positions, tables)
+        leaves = batch.leaves()  # for the layer regions
+        if torch.compiler.is_dynamo_compiling() and any(layer.one_call for layer in self.model.layers):
+            # one buffer each, read by every one-call layer: else inductor computes them anew for each call
+            # (the regions take them as they are: a region given these failed dynamo's aliasing check)
+            batch = replace(batch, cos=stored(batch.cos), sin=stored(batch.sin))
         x = self.model.embed_tokens(tokens)
-        captured, leaves = {}, batch.leaves()
+        captured = {}
         for i, layer in enumerate(self.model.layers):
             if i in self.aux_layers:
                 captured[i] = x
             kv = None if cache is None else cache[i]
-            x = run_layer(layer, x, leaves, kv) if self.layer_regions else layer(x, batch, kv)
+            if self.layer_regions and not layer.in_one_call(x, kv):
+                x = run_layer(layer, x, leaves, kv)
+            else:  # a one-call layer outside a region: torch cannot functionalize its cache write inside one
+                x = layer(x, batch, kv)
         captured[len(self.model.layers)] = x
         aux = torch.cat([captured[i] for i in self.aux_layers], dim=-1) if self.aux_layers else None
         return self.model.norm(x), aux

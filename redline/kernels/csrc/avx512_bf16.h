@@ -1,4 +1,4 @@
-// What both kernels share: bf16 loads, the sum of each of 16 registers' lanes in one pass, and e^x.
+// What the kernels share: bf16 loads, the sum of each of 16 registers' lanes in one pass, and e^x.
 #pragma once
 #include <immintrin.h>
 

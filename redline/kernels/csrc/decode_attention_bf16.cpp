@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "avx512_bf16.h"
+#include "kernels.h"
 
 namespace {
 
@@ -101,40 +102,15 @@ void attend(const uint16_t* query_row, const uint16_t* k_cache, const uint16_t* 
   }
 }
 
-// q [B, T, Hq, D]; k_cache, v_cache [blocks, Hkv, BLOCK, D]; positions [B, T] int64; tables [B, n] int32
-at::Tensor decode_attention_bf16(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                 const at::Tensor& positions_in, const at::Tensor& tables, int64_t kv_len,
-                                 int64_t chunk) {
-  TORCH_CHECK(q_in.dim() == 4 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
-              "decode_attention_bf16: q [B, T, Hq, D], caches [blocks, Hkv, BLOCK, D]");
-  TORCH_CHECK(q_in.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
-                  v_cache.scalar_type() == at::kBFloat16,
-              "decode_attention_bf16: bf16 only");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && tables.scalar_type() == at::kInt,
-              "decode_attention_bf16: contiguous caches, int32 tables");
-  const int64_t batch = q_in.size(0), head_dim = q_in.size(3);
-  const bool supported = head_dim % CHUNK == 0 && head_dim <= 8 * CHUNK;
-  TORCH_CHECK(supported && head_dim == k_cache.size(3) && k_cache.size(1) > 0 &&
-                  q_in.size(2) % k_cache.size(1) == 0,
-              "decode_attention_bf16: q's head_dim is the cache's, a multiple of 32 up to 256; "
-              "Hq a multiple of Hkv");
-  TORCH_CHECK(positions_in.sizes() == q_in.sizes().slice(0, 2), "decode_attention_bf16: positions [B, T]");
-  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == batch && kv_len <= tables.size(1) * k_cache.size(2),
-              "decode_attention_bf16: tables [B, n] covering kv_len positions");
-  const at::Tensor q = q_in.contiguous();
-  const at::Tensor positions = positions_in.to(at::kLong).contiguous();
-  const at::Tensor table = tables.contiguous();
-  const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3);
-  const int64_t Hkv = k_cache.size(1), BLOCK = k_cache.size(2), per_row = table.size(1);
-  const int64_t G = Hq / Hkv, blocks = k_cache.size(0);
+}  // namespace
+
+namespace redline {
+
+void decode_attention(const uint16_t* q, int64_t q_stride, int64_t B, int64_t T, int64_t Hq,
+                      const int64_t* positions, const PagedCache& cache, int64_t kv_len, int64_t chunk,
+                      at::BFloat16* out) {
+  const int64_t D = cache.head_dim, G = Hq / cache.kv_heads;
   const float scale = 1.0f / std::sqrt(float(D));
-  at::Tensor out = at::empty_like(q);
-  const auto* qs = reinterpret_cast<const uint16_t*>(q.data_ptr());
-  const auto* ks = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
-  const auto* vs = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  const int32_t* tab = table.data_ptr<int32_t>();
-  auto* os = out.data_ptr<at::BFloat16>();
   using Attend = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, const std::vector<int64_t>&,
                           float, std::vector<float>&, at::BFloat16*);
   constexpr Attend by_chunks[] = {attend<1>, attend<2>, attend<3>, attend<4>,
@@ -146,24 +122,49 @@ at::Tensor decode_attention_bf16(const at::Tensor& q_in, const at::Tensor& k_cac
     // (b, kv head, lo, hi) that `offsets` holds: consecutive tasks are the G query heads of one kv head
     int64_t walked[4] = {-1, -1, -1, -1};
     for (int64_t task = begin; task < end; ++task) {
-      // task = (b * T + t) * Hq + h, q's own layout: T = 2, Hq = 9, task 25 is b = 1, t = 0, h = 7
+      // task = (b * T + t) * Hq + h, out's layout: T = 2, Hq = 9, task 25 is b = 1, t = 0, h = 7
       const int64_t b = task / (T * Hq), t = task / Hq % T, h = task % Hq;
-      const int64_t position = pos[b * T + t];
+      const int64_t position = positions[b * T + t];
       const int64_t hi = std::min(position, kv_len - 1);
       const int64_t lo = chunk > 0 ? position - position % chunk : 0;
-      at::BFloat16* task_out = os + task * D;
+      at::BFloat16* task_out = out + task * D;
       if (lo > hi) {
         std::fill(task_out, task_out + D, at::BFloat16(0.0f));
         continue;
       }
       const int64_t walk[4] = {b, h / G, lo, hi};
       if (!std::equal(walk, walk + 4, walked)) {
-        key_offsets(tab + b * per_row, lo, hi - lo + 1, Hkv, h / G, BLOCK, blocks, D, offsets);
+        key_offsets(cache.tables + b * cache.per_row, lo, hi - lo + 1, cache.kv_heads, h / G,
+                    cache.block_size, cache.blocks, D, offsets);
         std::copy(walk, walk + 4, walked);
       }
-      run(qs + task * D, ks, vs, offsets, scale, scores, task_out);  // q is [B, T, Hq, D] as the tasks
+      run(q + (b * T + t) * q_stride + h * D, cache.k, cache.v, offsets, scale, scores, task_out);
     }
   });
+}
+
+}  // namespace redline
+
+namespace {
+
+// q [B, T, Hq, D]; k_cache, v_cache [blocks, Hkv, BLOCK, D]; positions [B, T] int64; tables [B, n] int32
+at::Tensor decode_attention_bf16(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                 const at::Tensor& positions_in, const at::Tensor& tables, int64_t kv_len,
+                                 int64_t chunk) {
+  TORCH_CHECK(q_in.dim() == 4 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "decode_attention_bf16: q [B, T, Hq, D], caches [blocks, Hkv, BLOCK, D]");
+  TORCH_CHECK(q_in.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+                  v_cache.scalar_type() == at::kBFloat16,
+              "decode_attention_bf16: bf16 only");
+  TORCH_CHECK(positions_in.sizes() == q_in.sizes().slice(0, 2), "decode_attention_bf16: positions [B, T]");
+  const at::Tensor q = q_in.contiguous();
+  const at::Tensor positions = positions_in.to(at::kLong).contiguous();
+  const at::Tensor table = tables.contiguous();
+  const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3);
+  const redline::PagedCache cache = redline::paged_cache(k_cache, v_cache, table, B, Hq, D, kv_len);
+  at::Tensor out = at::empty_like(q);
+  redline::decode_attention(redline::bits(q), Hq * D, B, T, Hq, positions.data_ptr<int64_t>(), cache, kv_len,
+                            chunk, out.data_ptr<at::BFloat16>());
   return out;
 }
 

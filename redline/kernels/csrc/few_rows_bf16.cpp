@@ -2,47 +2,55 @@
 //
 // It takes every row of a decode step (layers/linear.product). Decode reads every weight once per step,
 // so the product is a stream over w: each thread takes a contiguous range of w's rows and reads them front
-// to back, prefetching PREFETCH_ROWS rows ahead as it goes. Each 32-element chunk of a w row is loaded
-// once and multiplied with the same chunk of up to 4 x rows (X_TILE) by AVX-512 BF16's vdpbf16ps. Each
-// (x row, w row) pair has one fp32 accumulator that adds the chunks in order; a tile of 4 w rows x up to 4
-// x rows (W_TILE x X_TILE) then sums its 16 accumulators' lanes by the same tree (sums16) whatever the
-// tile holds. So a row's result does not depend on how many rows came with it: a verify step's
-// B x (K + 1) rows equal one-row products, bit for bit.
+// to back. Each 32-element chunk of a w row is loaded once and multiplied with the same chunk of up to 4 x
+// rows (X_TILE) by AVX-512 BF16's vdpbf16ps. Each (x row, w row) pair has one fp32 accumulator that adds
+// the chunks in order; a tile of 4 w rows x up to 4 x rows (W_TILE x X_TILE) then sums its 16
+// accumulators' lanes by the same tree (sums16) whatever the tile holds. So a row's result does not depend
+// on how many rows came with it: a verify step's B x (K + 1) rows equal one-row products, bit for bit.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <torch/types.h>
 
 #include "avx512_bf16.h"
+#include "kernels.h"
 
 namespace {
 
 using redline::CHUNK;
 constexpr int64_t W_TILE = 4, X_TILE = 4;
-constexpr int64_t PREFETCH_ROWS = 8;
 
-// acc[m * W_TILE] += x[m, k:k + 32] . w[k:k + 32] for one w row, zeros past `left` elements; prefetches the
-// chunk `ahead` elements further (PREFETCH_ROWS rows, or 0 near the end of the thread's rows).
+// acc[m] += x[m, k:k + 32] . w[k:k + 32] for one w row, zeros past `left` elements
 template <int XR>
 __attribute__((always_inline)) inline void add_chunk(const uint16_t* x, const uint16_t* w, int64_t K,
-                                                     int64_t left, int64_t ahead, __m512* acc) {
+                                                     int64_t left, __m512* acc) {
   const __m512bh row = redline::load_chunk(w, left);
-  _mm_prefetch(reinterpret_cast<const char*>(w + ahead), _MM_HINT_T0);
-  for (int m = 0; m < XR; ++m)
-    acc[m * W_TILE] = _mm512_dpbf16_ps(acc[m * W_TILE], redline::load_chunk(x + m * K, left), row);
+  for (int m = 0; m < XR; ++m) acc[m] = _mm512_dpbf16_ps(acc[m], redline::load_chunk(x + m * K, left), row);
+}
+
+// out[m * W_TILE] = the fp32 lanes of x[m] . w for one w row, its chunks added in order. The XR
+// accumulators are locals of constant index, so they stay in registers: an accumulator in memory (indexed
+// by the w row) put a store and a load between each chunk's vdpbf16ps and the next. The hardware
+// prefetcher follows the stream alone: software prefetches ahead made one core read slower (BENCHMARKS.md
+// "One call a decoder layer").
+template <int XR>
+__attribute__((always_inline)) inline void row_sums(const uint16_t* x, const uint16_t* w, int64_t K,
+                                                    __m512* out) {
+  __m512 acc[XR];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + CHUNK <= K; k += CHUNK) add_chunk<XR>(x + k, w + k, K, CHUNK, acc);
+  if (k < K) add_chunk<XR>(x + k, w + k, K, K - k, acc);
+  for (int m = 0; m < XR; ++m) out[m * W_TILE] = acc[m];
 }
 
 // y[m, r] for the XR x rows at x and the WR w rows at w; y points at y[m0, n0], rows N apart. One w row
 // after another, front to back, as memory streams them (the rows' sums are independent: the core overlaps
 // them).
 template <int XR, int WR>
-void tile(const uint16_t* x, const uint16_t* w, int64_t K, int64_t N, int64_t ahead, at::BFloat16* y) {
+void tile(const uint16_t* x, const uint16_t* w, int64_t K, int64_t N, at::BFloat16* y) {
   __m512 acc[16];
   for (auto& a : acc) a = _mm512_setzero_ps();
-  for (int r = 0; r < WR; ++r) {
-    int64_t k = 0;
-    for (; k + CHUNK <= K; k += CHUNK) add_chunk<XR>(x + k, w + r * K + k, K, CHUNK, ahead, acc + r);
-    if (k < K) add_chunk<XR>(x + k, w + r * K + k, K, K - k, ahead, acc + r);
-  }
+  for (int r = 0; r < WR; ++r) row_sums<XR>(x, w + r * K, K, acc + r);
   alignas(64) float sums[16];
   _mm512_store_ps(sums, redline::sums16(acc));  // sums[m * W_TILE + r] = y[m, r]
   for (int m = 0; m < XR; ++m)
@@ -50,17 +58,32 @@ void tile(const uint16_t* x, const uint16_t* w, int64_t K, int64_t N, int64_t ah
 }
 
 template <int WR>
-void w_rows(const uint16_t* x, int64_t M, const uint16_t* w, int64_t K, int64_t N, int64_t ahead,
-            at::BFloat16* y) {
+void w_rows(const uint16_t* x, int64_t M, const uint16_t* w, int64_t K, int64_t N, at::BFloat16* y) {
   int64_t m = 0;
-  for (; m + X_TILE <= M; m += X_TILE) tile<X_TILE, WR>(x + m * K, w, K, N, ahead, y + m * N);
+  for (; m + X_TILE <= M; m += X_TILE) tile<X_TILE, WR>(x + m * K, w, K, N, y + m * N);
   switch (M - m) {  // the last 1-3 x rows
-    case 3: tile<3, WR>(x + m * K, w, K, N, ahead, y + m * N); break;
-    case 2: tile<2, WR>(x + m * K, w, K, N, ahead, y + m * N); break;
-    case 1: tile<1, WR>(x + m * K, w, K, N, ahead, y + m * N); break;
+    case 3: tile<3, WR>(x + m * K, w, K, N, y + m * N); break;
+    case 2: tile<2, WR>(x + m * K, w, K, N, y + m * N); break;
+    case 1: tile<1, WR>(x + m * K, w, K, N, y + m * N); break;
     default: break;
   }
 }
+
+}  // namespace
+
+namespace redline {
+
+void few_rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, at::BFloat16* y) {
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    int64_t n = begin;
+    for (; n + W_TILE <= end; n += W_TILE) w_rows<W_TILE>(x, M, w + n * K, K, N, y + n);
+    for (; n < end; ++n) w_rows<1>(x, M, w + n * K, K, N, y + n);  // the last 1-3 w rows
+  });
+}
+
+}  // namespace redline
+
+namespace {
 
 at::Tensor few_rows_bf16(const at::Tensor& x, const at::Tensor& w) {  // x [M, K], w [N, K] -> [M, N]
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "few_rows_bf16: x [M, K], w [N, K]");
@@ -70,17 +93,7 @@ at::Tensor few_rows_bf16(const at::Tensor& x, const at::Tensor& w) {  // x [M, K
               "few_rows_bf16: contiguous CPU tensors");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
-  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  const auto* ws = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  auto* ys = y.data_ptr<at::BFloat16>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    int64_t n = begin;
-    for (; n + W_TILE <= end; n += W_TILE) {
-      const int64_t ahead = n + W_TILE + PREFETCH_ROWS <= end ? PREFETCH_ROWS * K : 0;  // within our rows
-      w_rows<W_TILE>(xs, M, ws + n * K, K, N, ahead, ys + n);
-    }
-    for (; n < end; ++n) w_rows<1>(xs, M, ws + n * K, K, N, 0, ys + n);  // the last 1-3 w rows
-  });
+  redline::few_rows(redline::bits(x), M, K, redline::bits(w), N, y.data_ptr<at::BFloat16>());
   return y;
 }
 

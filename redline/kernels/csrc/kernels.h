@@ -1,0 +1,49 @@
+// The kernels as C++ functions over raw bf16 data, for the ops that compose them (dense_layer_bf16.cpp)
+// as well as their own torch ops. bf16 data is read as uint16_t (its bits) and written as at::BFloat16.
+#pragma once
+#include <torch/types.h>
+
+#include <cstdint>
+
+namespace redline {
+
+inline const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
+
+// y[M, N] = x[M, K] @ w[N, K]^T, each row's result independent of M (few_rows_bf16.cpp)
+void few_rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, at::BFloat16* y);
+
+// A paged KV cache, k and v [blocks, kv_heads, block_size, head_dim], and the rows' block tables [B, per_row]
+struct PagedCache {
+  const uint16_t* k;
+  const uint16_t* v;
+  int64_t blocks, kv_heads, block_size, head_dim;
+  const int32_t* tables;
+  int64_t per_row;
+};
+
+// The cache of k_cache, v_cache [blocks, Hkv, BLOCK, D] and tables [B, n] (contiguous int32, kept alive by
+// the caller) for B rows of Hq query heads of head_dim D attending kv_len positions, checked.
+inline PagedCache paged_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
+                              int64_t B, int64_t Hq, int64_t D, int64_t kv_len) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "caches [blocks, Hkv, BLOCK, D]");
+  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16,
+              "bf16 caches only");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && tables.is_contiguous() &&
+                  tables.scalar_type() == at::kInt,
+              "contiguous caches, contiguous int32 tables");
+  TORCH_CHECK(D % 32 == 0 && D <= 256 && D == k_cache.size(3) && k_cache.size(1) > 0 &&
+                  Hq % k_cache.size(1) == 0,
+              "head_dim the cache's, a multiple of 32 up to 256; Hq a multiple of Hkv");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && kv_len <= tables.size(1) * k_cache.size(2),
+              "tables [B, n] covering kv_len positions");
+  return {bits(k_cache), bits(v_cache), k_cache.size(0), k_cache.size(1), k_cache.size(2), D,
+          tables.data_ptr<int32_t>(), tables.size(1)};
+}
+
+// out[B * T, Hq, D] = attention of queries q (row b * T + t at q + (b * T + t) * q_stride, head h at + h * D)
+// at positions[B * T] over cache positions [0, kv_len) (decode_attention_bf16.cpp)
+void decode_attention(const uint16_t* q, int64_t q_stride, int64_t B, int64_t T, int64_t Hq,
+                      const int64_t* positions, const PagedCache& cache, int64_t kv_len, int64_t chunk,
+                      at::BFloat16* out);
+
+}  // namespace redline
