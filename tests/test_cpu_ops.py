@@ -227,6 +227,7 @@ def test_smollm2_after_a_2000_token_prompt_speculates_the_plain_tokens(tmp_path)
     kw = dict(dtype="bfloat16", max_batch=2, max_seq_len=2048, compile=False, progress=False)
     plain = LLM(target, **kw)
     assert "decode_attention_bf16" in repr(plain.model) and "few_rows_bf16" in repr(plain.model)
+    assert all(layer.one_call is cpu_ops.dense_layer_bf16 for layer in plain.model.model.layers)
     want = [c.token_ids for c in plain.generate(prompts, params)]
     spec = LLM(target, draft=draft, num_draft_tokens=3, **kw)
     assert [spec.generate([p], params)[0].token_ids for p in prompts] == want

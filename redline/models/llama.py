@@ -73,17 +73,13 @@ class DecoderLayer(nn.Module):
     def _one_call_weights(self) -> tuple[torch.Tensor, ...]:
         """input norm [H], qkv [q + 2kv, H], o [H, q], post-attn norm [H], gate_up [2I, H], down [H, I]"""
         attention, mlp = self.self_attn, self.mlp
-        projections = (
-            attention.qkv_weight,
-            attention.o_proj.weight,
-            mlp.gate_up_weight,
-            mlp.down_proj.weight,
-        )
         return (
             self.input_layernorm.weight,
-            *projections[:2],
+            attention.qkv_weight,
+            attention.o_proj.weight,
             self.post_attention_layernorm.weight,
-            *projections[2:],
+            mlp.gate_up_weight,
+            mlp.down_proj.weight,
         )
 
     def in_one_call(self, x: torch.Tensor, cache: KVLayer | None) -> bool:  # x [B, T, hidden]
