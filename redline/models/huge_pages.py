@@ -4,7 +4,7 @@ A CPU decode step reads every weight once, front to back: 269 MB through 4 KiB p
 a step, and under a virtual machine's nested paging each is a two-level page walk. On a 2-core AMD EPYC VM
 (BENCHMARKS.md "Weights and KV cache on huge pages") one core's read went from 20 to 30 GB/s on 2 MiB
 pages, SmolLM2's products from 26 to 28 GB/s at one row and 18 to 21 GB/s at four, and the compiled decode
-step got 4-5% faster. Linux gives anonymous memory transparent huge pages where advised
+step got 4-7% faster. Linux gives anonymous memory transparent huge pages where advised
 (transparent_hugepage "madvise", the common default) or always ("always"); with "never", or on other
 systems, everything stays on torch's allocations.
 
@@ -31,12 +31,15 @@ ALIGN = 64  # each moved storage starts on a cache line, so every dtype's elemen
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
+def thp_available() -> bool:
+    """Linux with transparent huge pages for advised memory: "madvise" or "always", not "never"."""
+    return hasattr(mmap, "MADV_HUGEPAGE") and THP.is_file() and "[never]" not in THP.read_text()
+
+
 def enabled() -> bool:
-    """Whether CPU weights and caches go on huge pages: a Linux kernel with transparent huge pages not
-    "never", unless REDLINE_HUGE_PAGES=0 (elsewhere moving them would only copy them)."""
-    if os.environ.get("REDLINE_HUGE_PAGES", "1") == "0" or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return False
-    return not THP.is_file() or "[never]" not in THP.read_text()
+    """Whether CPU weights and caches go on huge pages: where thp_available(), unless REDLINE_HUGE_PAGES=0
+    (elsewhere moving them would only copy them)."""
+    return os.environ.get("REDLINE_HUGE_PAGES", "1") != "0" and thp_available()
 
 
 def _mapping(nbytes: int) -> tuple[mmap.mmap, int]:
@@ -52,13 +55,16 @@ def _mapping(nbytes: int) -> tuple[mmap.mmap, int]:
     return mapping, start
 
 
-def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """torch.zeros(shape, dtype=dtype), on huge pages where enabled(). Like torch.zeros it writes every
-    page now: a cache whose pages were first touched while serving would fault (and compact memory) in
-    the middle of decode steps, and run out of memory there rather than at start-up."""
+def huge_page_zeros(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """torch.zeros(shape, dtype=dtype, device=device), on huge pages for a CPU where enabled(). Like
+    torch.zeros it writes every page now: a cache whose pages were first touched while serving would fault
+    (and compact memory) in the middle of decode steps, and run out of memory there rather than at
+    start-up."""
     nbytes = math.prod(shape) * dtype.itemsize
-    if not enabled() or nbytes == 0:
-        return torch.zeros(shape, dtype=dtype)
+    if torch.device(device).type != "cpu" or not enabled() or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
     mapping, start = _mapping(nbytes)
     storage = torch.frombuffer(mapping, dtype=torch.uint8, offset=start, count=nbytes).untyped_storage()
     return torch.empty(0, dtype=dtype).set_(storage, 0, shape).zero_()  # a tensor of its own, not a view

@@ -31,12 +31,12 @@ class KVCache:
         self.slots, self.max_len = slots, max_len
         per_slot = max_len // BLOCK + 1  # what gather_blocks reads at kv_len = max_len
         shape = (num_blocks or slots * per_slot, config.num_kv_heads, BLOCK, config.head_dim)
-
-        def zeros() -> torch.Tensor:  # a decode step reads the cache as it reads the weights: huge pages
-            cpu = torch.device(device).type == "cpu"
-            return huge_page_zeros(shape, dtype) if cpu else torch.zeros(shape, dtype=dtype, device=device)
-
-        self.layers = layers if layers is not None else [(zeros(), zeros()) for _ in range(config.num_layers)]
+        if layers is None:  # a CPU decode step streams the cache as it streams the weights: huge pages too
+            layers = [
+                (huge_page_zeros(shape, dtype, device), huge_page_zeros(shape, dtype, device))
+                for _ in range(config.num_layers)
+            ]
+        self.layers = layers
         if num_blocks is None:  # slot s -> its blocks, e.g. 2 slots of 3 blocks: [[0, 1, 2], [3, 4, 5]]
             self.table = torch.arange(slots * per_slot, dtype=torch.int32, device=device).view(slots, -1)
         else:
