@@ -9,8 +9,9 @@ calls is what compares them. Without --before, this tree alone.
 
 - few_rows_bf16 over SmolLM2-135M's decode weights at its real shapes (30 layers of fused q/k/v
   [960, 576], o [576, 576], fused gate/up [3072, 576], down [576, 1536], and the [49152, 576] head:
-  distinct random tensors, 269 MB, so every call reads memory) at M = 1, 2, 3, 4, 8 rows (plain decode
-  and the verify steps of K = 1, 2, 3, and 8 slots);
+  distinct random tensors, 269 MB, so every call reads memory) at M = 1, 2, 3, 4, 8, 72 rows (plain
+  decode, the verify steps of K = 1, 2, 3, 8 slots, and 8 slots at K = 8); this tree's weights packed
+  (layers/packed.py), as its engine loads them;
 - decode_attention_bf16 at SmolLM2's heads (9 query heads over 3 kv heads, head_dim 64), 1 and 4
   queries (plain, K = 3), over 150 and 1,000 cached positions in shuffled 16-position blocks.
 """
@@ -31,6 +32,7 @@ from torch.utils.cpp_extension import load
 
 from redline.benchmark.machine import describe, read_bandwidth_gbps
 from redline.kernels import cpu_ops
+from redline.kernels.packed_layout import pack
 
 MAIN = Path(__file__).resolve().parents[1]
 CSRC = "redline/kernels/csrc"
@@ -55,9 +57,11 @@ def build_before(revision: str) -> None:
          is_python_module=False)  # fmt: skip
 
 
-def agree(namespaces: list[str], op: str, *args: object) -> None:
-    """Both builds compute the same function (to bf16 rounding: their sums may run in another order)."""
-    first, *others = (getattr(getattr(torch.ops, space), op)(*args) for space in namespaces)
+def agree(namespaces: list[str], op: str, *args: object, per_space: dict[str, tuple] | None = None) -> None:
+    """Both builds compute the same function (to bf16 rounding: their sums may run in another order);
+    per_space: a namespace's own arguments."""
+    per_space = per_space or {}
+    first, *others = (getattr(getattr(torch.ops, s), op)(*per_space.get(s, args)) for s in namespaces)
     for other in others:
         torch.testing.assert_close(other.float(), first.float(), atol=2e-2, rtol=2e-2)
 
@@ -81,17 +85,26 @@ def report(label: str, times: dict[str, list[float]]) -> None:
     print(f"{label:28s} " + " | ".join(parts), flush=True)
 
 
+def in_features(weight: torch.Tensor) -> int:  # K of [N, K] or packed [N / 32, K / 2, 32, 2]
+    return weight.shape[1] * 2 if weight.dim() == 4 else weight.shape[1]
+
+
 def products(namespaces: list[str], reps: int) -> None:
+    """This tree's product takes the weights packed, as its engine loads them (layers/packed.py); an
+    earlier revision's takes them [N, K]."""
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=g).bfloat16() for n, k in LAYER_SHAPES * 30 + [HEAD_SHAPE]]
+    packed = [pack(w) for w in weights]
     print(f"few_rows_bf16 over {sum(w.nbytes for w in weights) / 1e6:.0f} MB of weights, one decode step's")
-    for m in (1, 2, 3, 4, 8):
+    for m in (1, 2, 3, 4, 8, 72):
         xs = {k: torch.randn(m, k, generator=g).bfloat16() for k in (576, 1536)}
         runs = {}
         for space in namespaces:
-            op = getattr(torch.ops, space).few_rows_bf16
-            runs[space] = lambda op=op, xs=xs: [op(xs[w.shape[1]], w) for w in weights]
-        agree(namespaces, "few_rows_bf16", xs[576], weights[0])
+            op, ws = getattr(torch.ops, space).few_rows_bf16, packed if space == "redline_cpu" else weights
+            runs[space] = lambda op=op, xs=xs, ws=ws: [op(xs[in_features(w)], w) for w in ws]
+        agree(
+            namespaces, "few_rows_bf16", xs[576], weights[0], per_space={"redline_cpu": (xs[576], packed[0])}
+        )
         report(f"  {m} rows", alternated(runs, reps))
 
 

@@ -7,16 +7,18 @@ static), so a random draft measures it faithfully. Two runners are built, plain 
 (K = 3), each with one slot, compiled (`--eager`: not), and warmed up (timed) (`--by-op`: two more, whose
 dense layers run op by op rather than as one call each; `--pages`: two more, whose weights and KV cache
 stay on torch's allocations, REDLINE_HUGE_PAGES=0: ordinary pages unless transparent_hugepage is
-"always"); then their batch-1 greedy steps are timed interleaved (A B A B ...) so that other load on the
-machine hits all alike, and each is profiled with torch.profiler (`--kernels`: each generated C++ kernel
-its own row, e.g. the decoder layer's kernel x 30 against the rest of the step; compiles anew). Roofline:
-weight bytes per step (every parameter; the tied table counts once, as the head reads it whole) / the
-read bandwidth measured in the same run.
+"always"; `--unpacked`: two more, whose weights stay [N, K], not packed); then their batch-1 greedy steps
+are timed interleaved (A B A B ...) so that other load on the machine hits all alike, and each is
+profiled with torch.profiler (`--kernels`: each generated C++ kernel its own row, e.g. the decoder layer's
+kernel x 30 against the rest of the step; compiles anew). Roofline: weight bytes per step (every
+parameter; the tied table counts once, as the head reads it whole) / the read bandwidth measured in the
+same run.
 
 `--startup` instead times `LLM(gguf)` with its defaults (4 slots, 4,096 tokens) in fresh processes: first
 with an empty inductor cache, then again on the cache that run left (a second process).
 
-    .venv/bin/python benchmarks/step_profile.py [--steps 40] [--threads 2] [--kernels] [--eager]
+    .venv/bin/python benchmarks/step_profile.py [--steps 40] [--threads 2] [--kernels] [--eager] [--by-op]
+        [--pages] [--unpacked]
     .venv/bin/python benchmarks/step_profile.py --startup [--draft]
 """
 
@@ -39,6 +41,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from redline.benchmark.machine import busy_cores, cpu_model, read_bandwidth_gbps
 from redline.engine_config import EngineConfig
+from redline.layers.packed import pack_weights
 from redline.models.gguf import gguf_model_dir, smollm2_gguf
 from redline.parallel.group import SINGLE
 from redline.runner.build import build_runner
@@ -127,6 +130,8 @@ def main() -> None:
     parser.add_argument("--by-op", action="store_true", help=by_op)
     pages = "also time plain and K = 3 runners on ordinary pages (REDLINE_HUGE_PAGES=0 while they load)"
     parser.add_argument("--pages", action="store_true", help=pages)
+    unpacked = "also time plain and K = 3 runners whose weights stay [N, K] (not packed: layers/packed.py)"
+    parser.add_argument("--unpacked", action="store_true", help=unpacked)
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -146,11 +151,24 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         draft_dir = write_random_draft(target_dir, Path(tmp) / "draft", draft_vocab=8192)
         runners = {}
-        kinds = [("plain", 0, True, True), ("K=3", 3, True, True)]
-        kinds += [("plain by op", 0, False, True), ("K=3 by op", 3, False, True)] if args.by_op else []
-        kinds += [("plain 4 KiB", 0, True, False), ("K=3 4 KiB", 3, True, False)] if args.pages else []
-        for name, k, one_call, huge_pages in kinds:
-            with patch.dict(os.environ, {} if huge_pages else {"REDLINE_HUGE_PAGES": "0"}):
+        kinds = [("plain", 0, True, True, True), ("K=3", 3, True, True, True)]
+        kinds += (
+            [("plain by op", 0, False, True, True), ("K=3 by op", 3, False, True, True)] if args.by_op else []
+        )
+        kinds += (
+            [("plain 4 KiB", 0, True, False, True), ("K=3 4 KiB", 3, True, False, True)] if args.pages else []
+        )
+        kinds += (
+            [("plain [N, K]", 0, True, True, False), ("K=3 [N, K]", 3, True, True, False)]
+            if args.unpacked
+            else []
+        )
+        for name, k, one_call, huge_pages, packed in kinds:
+            with (
+                patch.dict(os.environ, {} if huge_pages else {"REDLINE_HUGE_PAGES": "0"}),
+                patch("redline.models.llama.pack_weights", pack_weights if packed else lambda model: None),
+                patch("redline.models.eagle3.pack_weights", pack_weights if packed else lambda model: None),
+            ):
                 runner = make_runner(target_dir, draft_dir if k else None, k, not args.eager, max_len)
             for layer in runner.model.model.layers if not one_call else []:
                 layer.one_call = None  # before the first compile: the graphs call each op

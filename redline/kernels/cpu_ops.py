@@ -4,7 +4,9 @@ per machine and torch version with torch's own extension builder and registered 
 
 - `few_rows_bf16` (csrc/few_rows_bf16.cpp): x[M, K] @ W[N, K]^T for decode steps (layers/linear.product),
   each weight row streamed once with vdpbf16ps on torch's thread pool. On SmolLM2's decoder weights it
-  read 25-40 GB/s against 11-13 for F.linear in bf16 (BENCHMARKS.md "C++ decode kernels on AVX-512 BF16");
+  read 25-40 GB/s against 11-13 for F.linear in bf16 (BENCHMARKS.md "C++ decode kernels on AVX-512 BF16").
+  A packed weight (packed_layout.py) goes to csrc/packed_rows_bf16.cpp, for any number of rows: decode
+  steps, verify steps and prompts (BENCHMARKS.md "Packed weights");
 - `decode_attention_bf16` (csrc/decode_attention_bf16.cpp): a decode step's few queries over the paged
   cache through the block tables, as kernels/decode_attention.py on CUDA (same arguments, same
   definition: decode_attention_reference), with no gathered keys and no mask tensors: scores 16 keys at
@@ -37,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from redline.kernels.attention_core import attention_by_reductions, step_mask
+from redline.kernels.packed_layout import is_packed
 from redline.kernels.paged_kv import gather_blocks
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
@@ -115,7 +118,7 @@ def load() -> bool:
     if not built:
         print(f"redline: built the decode kernels in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     torch.library.register_fake("redline_cpu::few_rows_bf16")(
-        lambda x, w: x.new_empty(x.shape[0], w.shape[0])  # [M, K], [N, K] -> [M, N]
+        lambda x, w: x.new_empty(x.shape[0], out_features(w))  # [M, K], [N, K] or packed -> [M, N]
     )
     torch.library.register_fake("redline_cpu::decode_attention_bf16")(
         lambda q, k_cache, v_cache, positions, tables, kv_len, chunk: q.new_empty(q.shape)  # [B, T, Hq, D]
@@ -124,7 +127,14 @@ def load() -> bool:
     return True
 
 
-def few_rows_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [M, K], [N, K] -> [M, N]
+def out_features(weight: torch.Tensor) -> int:  # N of a weight [N, K] or packed [N / 32, K / 2, 32, 2]
+    return weight.shape[0] * weight.shape[2] if is_packed(weight) else weight.shape[0]
+
+
+def few_rows_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [M, K], [N, K] / packed -> [M, N]
+    """x @ weight^T; a packed weight (packed_layout.py) takes any number of rows."""
+    if is_packed(weight) and x.dtype != torch.bfloat16:
+        raise ValueError(f"a packed bf16 weight multiplies bf16 rows, not {x.dtype}")
     if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:  # a layer kept in another dtype
         return F.linear(x, weight)
     return torch.ops.redline_cpu.few_rows_bf16(x.contiguous(), weight.contiguous())

@@ -23,6 +23,9 @@ The rules (BENCHMARKS.md "Few-row linears", "Compiled bf16 decode"):
 |                           |                                       | without AVX-512: W @ x^T               |
 | decoder layers            | one graph                             | compiled: one compile region each kind |
 | dense layer, decode step  | its ops                               | bf16 with AVX-512 BF16: one C++ call   |
+| linear weights            | [N, K]                                | bf16 with AVX-512 BF16: packed for the |
+|                           |                                       | C++ kernel (layers/packed.py), prompts |
+|                           |                                       | too                                    |
 
 `describe()` names what was chosen (`redline info` prints it) and each layer's repr shows its own.
 `TORCH` is the plain torch choice, for models built outside the engine (training, tests).
@@ -77,6 +80,7 @@ class Backends:
     layer_regions: bool = False  # decoder layers as nested compile regions (models/llama.run_layer)
     fused_projections: bool = False  # q/k/v and gate/up multiplied as one weight each, once loaded
     dense_layer: DenseLayer | None = None  # a dense layer's decode step in one call; None: the layer's ops
+    packed_weights: bool = False  # linear weights packed for few_rows once loaded (layers/packed.py)
 
     @classmethod
     def choose(
@@ -108,6 +112,7 @@ class Backends:
                 layer_regions=compiled,
                 fused_projections=True,
                 dense_layer=cpu_ops.dense_layer_bf16,
+                packed_weights=True,
             )
         few_rows = None
         if compiled and dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -147,6 +152,7 @@ class Backends:
             "layer compile regions": str(self.layer_regions),
             "fused q/k/v and gate/up": str(self.fused_projections),
             "dense layer decode step": backend_name(self.dense_layer),
+            "packed weights": str(self.packed_weights),
         }
 
 

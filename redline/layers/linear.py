@@ -29,6 +29,7 @@ from torch import nn
 
 from redline.kernels import cpu_ops
 from redline.kernels.attention_core import STEP_QUERIES
+from redline.kernels.packed_layout import is_packed
 
 FEW_ROWS = 8
 FewRows = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [M, K], weight [N, K]) -> [M, N]
@@ -61,7 +62,7 @@ WHOLE_STEP_ROWS = 8 * STEP_QUERIES  # 8 slots of a K = 8 verify step
 
 def product(
     x: torch.Tensor,  # [M, K]: the rows of sequences of `tokens` tokens each
-    weight: torch.Tensor,  # [N, K]
+    weight: torch.Tensor,  # [N, K], or packed [N / 32, K / 2, 32, 2] (kernels/packed_layout.py)
     few_rows: FewRows | None,
     tokens: int,
     bias: torch.Tensor | None = None,  # [N]
@@ -70,9 +71,14 @@ def product(
     (ROW_INDEPENDENT: the C++ kernel, whose rows are separate sums) also takes every decode step (at most
     STEP_QUERIES tokens a sequence) of up to WHOLE_STEP_ROWS rows, so a verify step's B x (K + 1) rows
     equal B x (K + 1) one-row products bit for bit. Past that the kernel's row loop is slower than
-    F.linear's blocked GEMM (4x at 72 rows), and larger batches take F.linear. Prompts take F.linear. On
+    F.linear's blocked GEMM (4x at 72 rows), and larger batches take F.linear. Prompts take F.linear. A
+    packed weight takes few_rows (the packed kernel) at any number of rows. On
     the 2-D x: torch's CPU bf16 matmul on a strided 3-D slice such as the prefill's last position
     hidden[:, -1:] ([1, 1, 576], strides (T*576, 576, 1)) took ~200 ms, not ~8 ms."""
+    if is_packed(weight):  # the packed kernel takes any number of rows
+        assert few_rows is not None, "a packed weight needs the kernel that packed it"
+        y = few_rows(x, weight)
+        return y if bias is None else y + bias
     rows = x.shape[0]
     whole_step = few_rows in ROW_INDEPENDENT and tokens <= STEP_QUERIES and rows <= WHOLE_STEP_ROWS
     if few_rows is None or (rows > FEW_ROWS and not whole_step):

@@ -28,6 +28,7 @@ from redline.layers.backends import TORCH, Backends
 from redline.layers.linear import Linear
 from redline.layers.mlp import MLP
 from redline.layers.norm import RMSNorm
+from redline.layers.packed import pack_weights
 from redline.layers.rotary import Rotary
 from redline.models.llama import KVLayer, LlamaForCausalLM
 from redline.models.loader import CheckpointError, checkpoint_files, load_weights, save_weights
@@ -238,6 +239,8 @@ def load_draft(
     draft.rotary.materialize(torch.device(device))
     draft.midlayer.mlp.fuse_gate_up()
     draft.midlayer.self_attn.fuse_qkv()
+    if backends.packed_weights:
+        pack_weights(draft)
     expected = len(target.aux_layers) * target.config.hidden_size
     if draft.fc.in_features != expected:
         raise CheckpointError(

@@ -20,6 +20,7 @@ from redline.layers.linear import WHOLE_STEP_ROWS, Linear, stored
 from redline.layers.mlp import MLP
 from redline.layers.moe import MoE
 from redline.layers.norm import RMSNorm
+from redline.layers.packed import pack_weights
 from redline.layers.rotary import Rotary
 from redline.parallel.group import SINGLE, TensorParallel
 from redline.parallel.vocab import VocabParallelEmbedding, gather_vocab, vocab_block, vocab_parallel_argmax
@@ -165,11 +166,13 @@ class LlamaForCausalLM(nn.Module):
             config.hidden_size, vocab_block(config.vocab_size, tp.size), False, backends.few_rows
         )
         self.layer_regions = backends.layer_regions  # decoder layers through run_layer: compile regions
+        self.packed_weights = backends.packed_weights
 
     def finish_loading(self) -> None:
         """After the weights are in: a tied lm_head shares the embedding, dense MLPs with a SwiGLU kernel or
         fused projections multiply gate and up as one weight (q, k and v too with fused projections), and
-        the layers the backends' one-call decode step computes take it (DecoderLayer.keep_one_call)."""
+        the layers the backends' one-call decode step computes take it (DecoderLayer.keep_one_call); the
+        weights are packed where the backends' product reads them so (layers/packed.py)."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         for layer in self.model.layers:
@@ -178,6 +181,9 @@ class LlamaForCausalLM(nn.Module):
                 layer.mlp.fuse_gate_up()
             elif isinstance(layer.mlp, MoE):
                 layer.mlp.shared_expert.fuse_gate_up()
+        if self.packed_weights:
+            pack_weights(self)
+        for layer in self.model.layers:
             layer.keep_one_call()
 
     def forward(

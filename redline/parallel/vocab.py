@@ -12,9 +12,9 @@ per rank.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from redline.kernels.packed_layout import embedding_rows
 from redline.parallel.group import TensorParallel
 
 
@@ -28,11 +28,12 @@ class VocabParallelEmbedding(nn.Embedding):
         self.tp, self.first = tp, tp.rank * vocab_block(vocab, tp.size)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., hidden]
+        """The table is [V, H], or packed where it is a head's (kernels/packed_layout.py)."""
         if self.tp.size == 1:
-            return super().forward(ids)
+            return embedding_rows(self.weight, ids)
         local = ids - self.first
         mine = (local >= 0) & (local < self.num_embeddings)
-        rows = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight)
+        rows = embedding_rows(self.weight, local.clamp(0, self.num_embeddings - 1))
         return self.tp.all_reduce(rows * mine[..., None].to(rows.dtype))
 
 

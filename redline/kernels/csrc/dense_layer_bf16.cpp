@@ -9,9 +9,10 @@
 //   r = x + a @ o^T;  g, u = split(rms_norm(r) * w_post @ gate_up^T);  out = r + (silu(g) * u) @ down^T
 //
 // In a compiled step each op of this chain was a call from the graph's Python, about 12 a layer; here the
-// chain is one call (BENCHMARKS.md "One call a decoder layer"). The products are few_rows and the
-// attention decode_attention, whose rows do not depend on the other rows, and the elementwise steps work
-// row by row: a verify step's K + 1 rows equal K + 1 one-token steps, bit for bit.
+// chain is one call (BENCHMARKS.md "One call a decoder layer"). The products are few_rows (or packed_rows,
+// for packed weights) and the attention decode_attention, whose rows do not depend on the other rows, and
+// the elementwise steps work row by row: a verify step's K + 1 rows equal K + 1 one-token steps, bit for
+// bit.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <torch/types.h>
@@ -96,16 +97,17 @@ void add(const uint16_t* a, const uint16_t* b, int64_t n, at::BFloat16* out) {
 
 const uint16_t* bits(const at::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); }
 
-void check_weight(const at::Tensor& w, int64_t rows, int64_t cols, const char* name) {
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.dim() == 2 && w.size(0) == rows &&
-                  w.size(1) == cols,
-              "dense_layer_bf16: ", name, " must be a contiguous bf16 [", rows, ", ", cols, "] weight, not ",
-              w.sizes());
+// The weight w as the layer's [rows, cols], [N, K] or packed (kernels.h weight_of)
+redline::Weight checked_weight(const at::Tensor& w, int64_t rows, int64_t cols, const char* name) {
+  const redline::Weight weight = redline::weight_of(w, "dense_layer_bf16");
+  TORCH_CHECK(weight.N == rows && weight.K == cols, "dense_layer_bf16: ", name, " must be a [", rows, ", ",
+              cols, "] weight, not ", w.sizes());
+  return weight;
 }
 
 // x [B, T, H]; k_cache, v_cache [blocks, Hkv, BLOCK, D] (written); positions [B, T]; tables [B, n] int32;
 // cos, sin [B, T, 1, D / 2] fp32; qkv [(Hq + 2 Hkv) D, H]; o [H, Hq D];
-// gate_up [2I, H]; down [H, I]; norms [H]. Returns the layer's output [B, T, H].
+// gate_up [2I, H]; down [H, I] (each [N, K] or packed); norms [H]. Returns the layer's output [B, T, H].
 at::Tensor dense_layer_bf16(const at::Tensor& x_in, at::Tensor& k_cache, at::Tensor& v_cache,
                             const at::Tensor& positions_in, const at::Tensor& tables_in, int64_t kv_len,
                             int64_t chunk, const at::Tensor& cos_in, const at::Tensor& sin_in,
@@ -114,7 +116,8 @@ at::Tensor dense_layer_bf16(const at::Tensor& x_in, at::Tensor& k_cache, at::Ten
                             const at::Tensor& down, double eps, int64_t Hq) {
   TORCH_CHECK(x_in.dim() == 3 && x_in.scalar_type() == at::kBFloat16, "dense_layer_bf16: x [B, T, H] bf16");
   const int64_t B = x_in.size(0), T = x_in.size(1), H = x_in.size(2), M = B * T;
-  const int64_t Hkv = k_cache.size(1), D = k_cache.size(3), I = down.size(1);
+  const int64_t Hkv = k_cache.size(1), D = k_cache.size(3);
+  const int64_t I = redline::weight_of(down, "dense_layer_bf16").K;
   const int64_t Q = Hq * D, KV = Hkv * D;
   const at::Tensor x = x_in.contiguous(), tables = tables_in.contiguous();
   const redline::PagedCache cache = redline::paged_cache(k_cache, v_cache, tables, B, Hq, D, kv_len);
@@ -127,10 +130,9 @@ at::Tensor dense_layer_bf16(const at::Tensor& x_in, at::Tensor& k_cache, at::Ten
                   post_norm.is_contiguous() && input_norm.scalar_type() == at::kBFloat16 &&
                   post_norm.scalar_type() == at::kBFloat16,
               "dense_layer_bf16: contiguous bf16 norm weights [H]");
-  check_weight(qkv, Q + 2 * KV, H, "qkv");
-  check_weight(o, H, Q, "o");
-  check_weight(gate_up, 2 * I, H, "gate_up");
-  check_weight(down, H, I, "down");
+  const redline::Weight w_qkv = checked_weight(qkv, Q + 2 * KV, H, "qkv"), w_o = checked_weight(o, H, Q, "o");
+  const redline::Weight w_gate_up = checked_weight(gate_up, 2 * I, H, "gate_up");
+  const redline::Weight w_down = checked_weight(down, H, I, "down");
 
   const auto options = x.options();
   at::Tensor normed = at::empty({M, H}, options), projected = at::empty({M, Q + 2 * KV}, options);
@@ -145,7 +147,7 @@ at::Tensor dense_layer_bf16(const at::Tensor& x_in, at::Tensor& k_cache, at::Ten
   auto* y = out.data_ptr<at::BFloat16>();
 
   rms_norm(redline::bits(x), M, H, redline::bits(input_norm), float(eps), n);
-  redline::few_rows(bits(n), M, H, redline::bits(qkv), Q + 2 * KV, p);
+  redline::product(bits(n), M, w_qkv, p);
   const int64_t* at_positions = positions.data_ptr<int64_t>();
   auto* ks = reinterpret_cast<at::BFloat16*>(k_cache.data_ptr());
   auto* vs = reinterpret_cast<at::BFloat16*>(v_cache.data_ptr());
@@ -173,12 +175,12 @@ at::Tensor dense_layer_bf16(const at::Tensor& x_in, at::Tensor& k_cache, at::Ten
     }
   }
   redline::decode_attention(bits(p), Q + 2 * KV, B, T, Hq, at_positions, cache, kv_len, chunk, a);
-  redline::few_rows(bits(a), M, Q, redline::bits(o), H, n);  // the attention's output, in `normed`
+  redline::product(bits(a), M, w_o, n);  // the attention's output, in `normed`
   add(redline::bits(x), bits(n), M * H, r);
   rms_norm(bits(r), M, H, redline::bits(post_norm), float(eps), n);
-  redline::few_rows(bits(n), M, H, redline::bits(gate_up), 2 * I, g);
+  redline::product(bits(n), M, w_gate_up, g);
   silu_times_up(bits(g), M, I, activated.data_ptr<at::BFloat16>());
-  redline::few_rows(redline::bits(activated), M, I, redline::bits(down), H, n);  // the MLP's, in `normed`
+  redline::product(redline::bits(activated), M, w_down, n);  // the MLP's, in `normed`
   add(bits(r), bits(n), M * H, y);
   return out;
 }

@@ -1,12 +1,14 @@
-// y[M, N] = x[M, K] @ w[N, K]^T for the few rows of a decode step, bf16 in and out, fp32 sums.
+// y[M, N] = x[M, K] @ w[N, K]^T for the few rows of a decode step, bf16 in and out, fp32 sums; the op
+// few_rows_bf16 takes a packed weight (any number of rows) to packed_rows_bf16.cpp.
 //
-// It takes every row of a decode step (layers/linear.product). Decode reads every weight once per step,
-// so the product is a stream over w: each thread takes a contiguous range of w's rows and reads them front
-// to back. Each 32-element chunk of a w row is loaded once and multiplied with the same chunk of up to 4 x
-// rows (X_TILE) by AVX-512 BF16's vdpbf16ps. Each (x row, w row) pair has one fp32 accumulator that adds
-// the chunks in order; a tile of 4 w rows x up to 4 x rows (W_TILE x X_TILE) then sums its 16
-// accumulators' lanes by the same tree (sums16) whatever the tile holds. So a row's result does not depend
-// on how many rows came with it: a verify step's B x (K + 1) rows equal one-row products, bit for bit.
+// It takes every row of a decode step (layers/linear.product) for a weight that is not packed. Decode
+// reads every weight once per step, so the product is a stream over w: each thread takes a contiguous
+// range of w's rows and reads them front to back. Each 32-element chunk of a w row is loaded once and
+// multiplied with the same chunk of up to 4 x rows (X_TILE) by AVX-512 BF16's vdpbf16ps. Each (x row,
+// w row) pair has one fp32 accumulator that adds the chunks in order; a tile of 4 w rows x up to 4 x rows
+// (W_TILE x X_TILE) then sums its 16 accumulators' lanes by the same tree (sums16) whatever the tile
+// holds. So a row's result does not depend on how many rows came with it: a verify step's B x (K + 1)
+// rows equal one-row products, bit for bit.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <torch/types.h>
@@ -85,15 +87,14 @@ void few_rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_
 
 namespace {
 
-at::Tensor few_rows_bf16(const at::Tensor& x, const at::Tensor& w) {  // x [M, K], w [N, K] -> [M, N]
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "few_rows_bf16: x [M, K], w [N, K]");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
-              "few_rows_bf16: bf16 only");
-  TORCH_CHECK(x.is_cpu() && w.is_cpu() && x.is_contiguous() && w.is_contiguous(),
-              "few_rows_bf16: contiguous CPU tensors");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  at::Tensor y = at::empty({M, N}, x.options());
-  redline::few_rows(redline::bits(x), M, K, redline::bits(w), N, y.data_ptr<at::BFloat16>());
+// x [M, K]; w [N, K] or packed (kernels.h weight_of) -> [M, N]
+at::Tensor few_rows_bf16(const at::Tensor& x, const at::Tensor& w_in) {
+  const redline::Weight w = redline::weight_of(w_in, "few_rows_bf16");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.K, "few_rows_bf16: x [M, K] for a weight of K = ", w.K);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_cpu() && x.is_contiguous(),
+              "few_rows_bf16: x a contiguous bf16 CPU tensor");
+  at::Tensor y = at::empty({x.size(0), w.N}, x.options());
+  redline::product(redline::bits(x), x.size(0), w, y.data_ptr<at::BFloat16>());
   return y;
 }
 

@@ -12,6 +12,40 @@ inline const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const
 // y[M, N] = x[M, K] @ w[N, K]^T, each row's result independent of M (few_rows_bf16.cpp)
 void few_rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, at::BFloat16* y);
 
+// Rows of a packed weight (packed_layout.py): w[N, K] stored as [N / PACK_ROWS, K / 2, PACK_ROWS, 2]
+constexpr int64_t PACK_ROWS = 32;
+
+// y[M, N] = x[M, K] @ w^T for w packed, each row's result independent of M (packed_rows_bf16.cpp)
+void packed_rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, at::BFloat16* y);
+
+// A weight of y = x @ w^T for N outputs of K inputs: [N, K] row-major, or packed
+struct Weight {
+  const uint16_t* data;
+  int64_t N, K;
+  bool packed;
+};
+
+// The weight a contiguous bf16 tensor holds: [N, K], or [N / PACK_ROWS, K / 2, PACK_ROWS, 2] packed.
+inline Weight weight_of(const at::Tensor& w, const char* op) {
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.is_cpu(), op,
+              ": weights must be contiguous bf16 CPU tensors");
+  if (w.dim() == 4) {
+    TORCH_CHECK(w.size(2) == PACK_ROWS && w.size(3) == 2, op, ": a packed weight is [N / ", PACK_ROWS,
+                ", K / 2, ", PACK_ROWS, ", 2], not ", w.sizes());
+    return {bits(w), w.size(0) * PACK_ROWS, w.size(1) * 2, true};
+  }
+  TORCH_CHECK(w.dim() == 2, op, ": a weight is [N, K] or packed, not ", w.sizes());
+  return {bits(w), w.size(0), w.size(1), false};
+}
+
+// y[M, w.N] = x[M, w.K] @ w^T, each row's result independent of M
+inline void product(const uint16_t* x, int64_t M, const Weight& w, at::BFloat16* y) {
+  if (w.packed)
+    packed_rows(x, M, w.K, w.data, w.N, y);
+  else
+    few_rows(x, M, w.K, w.data, w.N, y);
+}
+
 // A paged KV cache, k and v [blocks, kv_heads, block_size, head_dim], and the rows' block tables [B, per_row]
 struct PagedCache {
   const uint16_t* k;

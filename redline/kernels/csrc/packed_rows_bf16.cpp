@@ -1,0 +1,73 @@
+// y[M, N] = x[M, K] @ w^T for a weight packed in blocks of 32 rows (packed_layout.py), bf16 in and out,
+// fp32 sums: any number of rows, from a decode step's one to a prompt's thousands.
+//
+// The layout [N / 32, K / 2, 32, 2] puts, for each pair of k, the 32 rows' two weights side by side: one
+// 64-byte register holds w[n0 + i, 2p : 2p + 2] in lanes i = 0..15, the next lanes i = 16..31. Example,
+// the block of rows 32..63, pair p = 5: its 128 bytes start at element (1 * K / 2 + 5) * 64 and hold
+// w[32, 10], w[32, 11], w[33, 10], w[33, 11], ... w[63, 11]. vdpbf16ps multiplies a register with the pair
+// x[m, 2p : 2p + 2] broadcast to every lane and adds both products to lane i's sum: each lane is one
+// output, so there are no horizontal sums, and each w register serves every x row of a tile (4 x rows,
+// 8 sums in registers). A block is a contiguous slab that a thread reads front to back; a block is small
+// enough (32 rows x K, 36 KB at K = 576) for the tiles after the first to read it from L2.
+//
+// Each output's sum adds the pairs p = 0, 1, ... in order in its own lane, whatever rows come with it: a
+// verify step's B x (K + 1) rows equal one-row products, bit for bit.
+#include <ATen/Parallel.h>
+#include <torch/types.h>
+
+#include <cstring>
+
+#include "avx512_bf16.h"
+#include "kernels.h"
+
+namespace {
+
+using redline::PACK_ROWS;
+constexpr int REGISTERS = PACK_ROWS / 16;  // fp32 lanes of a block's 32 rows: 2 registers
+constexpr int X_TILE = 4;
+
+// y[m, 0:32] for the XR x rows at x (rows K apart) and the block at w; y points at y[m0, n0], rows N apart
+template <int XR>
+void tile(const uint16_t* x, int64_t K, const uint16_t* w, int64_t N, at::BFloat16* y) {
+  __m512 acc[XR][REGISTERS];
+  for (auto& row : acc)
+    for (auto& a : row) a = _mm512_setzero_ps();
+  for (int64_t p = 0; p < K / 2; ++p) {
+    __m512bh pairs[REGISTERS];
+    for (int j = 0; j < REGISTERS; ++j)
+      pairs[j] = (__m512bh)_mm512_loadu_si512(w + (p * PACK_ROWS + j * 16) * 2);
+    for (int m = 0; m < XR; ++m) {
+      int32_t x_pair;  // x[m, 2p], x[m, 2p + 1] as one 32-bit lane
+      std::memcpy(&x_pair, x + m * K + 2 * p, sizeof x_pair);
+      const __m512bh xs = (__m512bh)_mm512_set1_epi32(x_pair);
+      for (int j = 0; j < REGISTERS; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xs, pairs[j]);
+    }
+  }
+  for (int m = 0; m < XR; ++m)
+    for (int j = 0; j < REGISTERS; ++j)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + j * 16),
+                          (__m256i)_mm512_cvtneps_pbh(acc[m][j]));  // to nearest even, as at::BFloat16
+}
+
+}  // namespace
+
+namespace redline {
+
+void packed_rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, at::BFloat16* y) {
+  at::parallel_for(0, N / PACK_ROWS, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const uint16_t* block = w + b * PACK_ROWS * K;
+      at::BFloat16* out = y + b * PACK_ROWS;
+      int64_t m = 0;
+      for (; m + X_TILE <= M; m += X_TILE) tile<X_TILE>(x + m * K, K, block, N, out + m * N);
+      switch (M - m) {  // the last 1-3 x rows
+        case 3: tile<3>(x + m * K, K, block, N, out + m * N); break;
+        case 2: tile<2>(x + m * K, K, block, N, out + m * N); break;
+        case 1: tile<1>(x + m * K, K, block, N, out + m * N); break;
+        default: break;
+      }
+    }
+  });
+}
+
+}  // namespace redline

@@ -1,0 +1,51 @@
+"""The packed layout of a bf16 weight for the CPU product kernel (csrc/packed_rows_bf16.cpp): [N, K] stored as
+[N / 32, K / 2, 32, 2], so that one 64-byte load holds two adjacent k of 16 rows and each of its lanes is one
+output's sum.
+
+    w[n, k] = packed[n // 32, k // 2, n % 32, k % 2]
+
+Example, N = 64, K = 4: packed[1, 0] holds w[32, 0], w[32, 1], w[33, 0], w[33, 1], ..., w[63, 1], and
+packed[1, 1] the same rows at k = 2, 3. layers/packed.py packs a loaded model's weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+PACK_ROWS = 32  # csrc/kernels.h PACK_ROWS
+
+
+def packable(weight: torch.Tensor) -> bool:
+    return (
+        weight.dim() == 2
+        and weight.dtype == torch.bfloat16
+        and weight.device.type == "cpu"
+        and weight.shape[0] % PACK_ROWS == 0
+        and weight.shape[1] % 2 == 0
+        and weight.numel() > 0
+    )
+
+
+def is_packed(weight: torch.Tensor) -> bool:
+    return weight.dim() == 4
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> [N / 32, K / 2, 32, 2]
+    n, k = weight.shape
+    return weight.reshape(n // PACK_ROWS, PACK_ROWS, k // 2, 2).transpose(1, 2).contiguous()
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:  # [N / 32, K / 2, 32, 2] -> [N, K]
+    blocks, pairs, rows, _ = packed.shape
+    return packed.transpose(1, 2).reshape(blocks * rows, pairs * 2)
+
+
+def embedding_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # [V, H] or packed, [...]
+    """table[ids] ([..., H]) of a table [V, H] or packed. Example: id 37 of a packed table is
+    packed[1, :, 5] ([H / 2, 2]: its pairs of features), flattened."""
+    if not is_packed(table):
+        return nn.functional.embedding(ids, table)
+    flat = ids.reshape(-1)
+    rows = table[flat // PACK_ROWS, :, flat % PACK_ROWS]  # [T, H / 2, 2]: the indexed dims come first
+    return rows.reshape(*ids.shape, -1)
