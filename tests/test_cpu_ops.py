@@ -3,6 +3,8 @@ attention compute, eager and compiled, at the sizes of a real model, and the lay
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch._dynamo
@@ -250,11 +252,13 @@ def test_greedy_speculation_equals_plain_bit_for_bit_with_the_kernels(trained, s
     assert sum(c.acceptance_length for c in got) / len(got) > 1.2  # the accepting path ran
 
 
-def test_fused_projections_of_a_decode_step_equal_one_row_steps(tmp_path, tokenizer_dir):
+@pytest.mark.parametrize("packed", [True, False])
+def test_fused_projections_of_a_decode_step_equal_one_row_steps(tmp_path, tokenizer_dir, packed):
     """The layers' own product calls (fused q/k/v in Attention.project, fused gate/up and down in the MLP)
     pass the step's tokens per sequence: an [8, 9] step (72 rows, K = 8 at batch 8) equals 72 one-token
     steps bit for bit. F.linear's sums round to other bf16 values than the kernel's in about 3 of 10,000
-    outputs, so the step is this large, at SmolLM2's widths, for a wrong routing to show."""
+    outputs, so the step is this large, at SmolLM2's widths, for a wrong routing to show; packed weights
+    take the packed kernel at every size, row-major ones route by the tokens per sequence."""
     from conftest import build_hf_model, llama3_hf_config, save_hf_model
 
     from redline.layers.attention import AttentionBatch
@@ -267,8 +271,10 @@ def test_fused_projections_of_a_decode_step_equal_one_row_steps(tmp_path, tokeni
         num_hidden_layers=1,
     )
     model_dir = save_hf_model(build_hf_model(config, seed=5), tmp_path / "wide", tokenizer_dir)
-    model = load_target(model_dir, torch.bfloat16, backends=Backends.choose("cpu", torch.bfloat16, False))
+    backends = replace(Backends.choose("cpu", torch.bfloat16, False), packed_weights=packed)
+    model = load_target(model_dir, torch.bfloat16, backends=backends)
     layer = model.model.layers[0]
+    assert layer.self_attn.qkv_weight.dim() == (4 if packed else 2)
     x = torch.randn(8, 9, model.config.hidden_size).bfloat16()
     positions = torch.arange(9).repeat(8, 1) + 5  # [8, 9]
 

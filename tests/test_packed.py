@@ -57,10 +57,10 @@ def test_product_equals_the_fp64_product_rounded_to_bf16(rows, n, k):
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [9, 72, 300])
+@pytest.mark.parametrize("rows", [6, 7, 9, 72, 300])
 def test_each_row_is_the_same_whatever_rows_come_with_it(rows):
     """A verify step's rows, and a prompt's, equal one-row products bit for bit: speculative tokens can
-    equal plain ones. 9: two tiles of 4 and a last row."""
+    equal plain ones. 6, 7, 9: a tile of 4 (or two) and a last tile of 2, 3 or 1 rows."""
     x = torch.randn(rows, 576).bfloat16()
     weight = pack(torch.randn(1536, 576).bfloat16())
     together = cpu_ops.few_rows_bf16(x, weight)
@@ -95,9 +95,34 @@ def test_a_packed_linear_takes_prompts_too_and_rejects_other_dtypes():
 
 def test_the_lookup_of_a_packed_table_is_the_table_s_rows():
     table = torch.randn(128, 64).bfloat16()
-    ids = torch.randint(0, 128, (3, 7))
-    assert torch.equal(embedding_rows(pack(table), ids), F.embedding(ids, table))
-    assert torch.equal(embedding_rows(table, ids), F.embedding(ids, table))
+    for ids in (torch.randint(0, 128, (3, 7)), torch.zeros(2, 0, dtype=torch.long)):
+        assert torch.equal(embedding_rows(pack(table), ids), F.embedding(ids, table))
+        assert torch.equal(embedding_rows(table, ids), F.embedding(ids, table))
+
+
+@needs_kernels
+def test_what_cannot_be_packed_stays_as_it_is_and_still_computes(tmp_path, tokenizer_dir):
+    """head_dim 80 with one kv head (k and v of 80 rows: the fused q/k/v stays [N, K], its parts views of
+    it), gate/up of 48 rows each (stays), a vocabulary of 100 (the tied table stays): the model packs
+    what it can (o, down) and its logits are those of the unpacked model within bf16 rounding."""
+    from conftest import build_hf_model, llama3_hf_config, save_hf_model
+
+    config = llama3_hf_config(
+        hidden_size=160, intermediate_size=48, num_attention_heads=2, num_key_value_heads=1,
+        num_hidden_layers=2, vocab_size=100, tie_word_embeddings=True,
+    )  # fmt: skip
+    model_dir = save_hf_model(build_hf_model(config, seed=2), tmp_path / "odd", tokenizer_dir)
+    chosen = Backends.choose("cpu", torch.bfloat16, compiled=False)
+    plain, packed = (load_target(model_dir, torch.bfloat16, backends=b) for b in (TORCH, chosen))
+    layer = packed.model.layers[0]
+    assert not is_packed(layer.self_attn.qkv_weight) and not is_packed(layer.mlp.gate_up_weight)
+    assert layer.self_attn.k_proj.weight.data_ptr() > layer.self_attn.qkv_weight.data_ptr()
+    assert is_packed(layer.self_attn.o_proj.weight) and is_packed(layer.mlp.down_proj.weight)
+    assert not is_packed(packed.lm_head.weight) and packed.lm_head.weight is packed.model.embed_tokens.weight
+    tokens = torch.randint(0, 100, (1, 12))
+    with torch.no_grad():
+        want, got = (m.logits(m(tokens, torch.arange(12)[None])[0]) for m in (plain, packed))
+    assert (got - want).abs().max() <= 0.05 * want.abs().max()
 
 
 @needs_kernels
@@ -111,6 +136,7 @@ def test_smollm2_loads_packed_and_computes_what_torch_does():
     assert chosen.packed_weights and not TORCH.packed_weights
     plain, packed = (load_target(target, torch.bfloat16, backends=b) for b in (TORCH, chosen))
     assert packed.lm_head.weight is packed.model.embed_tokens.weight and is_packed(packed.lm_head.weight)
+    assert all(is_packed(m.weight) for m in packed.modules() if isinstance(m, Linear))
     for (name, want), got in zip(plain.named_parameters(), packed.parameters(), strict=True):
         assert torch.equal(unpack(got) if is_packed(got) else got, want), name
     layer = packed.model.layers[3]

@@ -48,4 +48,4 @@ def embedding_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # [
         return nn.functional.embedding(ids, table)
     flat = ids.reshape(-1)
     rows = table[flat // PACK_ROWS, :, flat % PACK_ROWS]  # [T, H / 2, 2]: the indexed dims come first
-    return rows.reshape(*ids.shape, -1)
+    return rows.reshape(*ids.shape, table.shape[1] * 2)  # no -1: ids may be empty

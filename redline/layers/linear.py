@@ -1,4 +1,6 @@
-"""nn.Linear with a faster product for the few rows of a decode step on CPU, chosen when the layer is built.
+"""nn.Linear with a faster product for the few rows of a decode step on CPU, chosen when the layer is built;
+on CPUs with AVX-512 BF16 a bf16 weight packed once loaded (layers/packed.py) takes the packed C++ kernel
+at every number of rows, prompts included.
 
 torch's CPU GEMMs are slow for 1-8 rows (BENCHMARKS.md "Few-row linears"): the fp32 GEMM packs the
 weight on every call, so x[M, K] @ W[N, K]^T costs about M times the M = 1 product, and without
@@ -72,12 +74,11 @@ def product(
     STEP_QUERIES tokens a sequence) of up to WHOLE_STEP_ROWS rows, so a verify step's B x (K + 1) rows
     equal B x (K + 1) one-row products bit for bit. Past that the kernel's row loop is slower than
     F.linear's blocked GEMM (4x at 72 rows), and larger batches take F.linear. Prompts take F.linear. A
-    packed weight takes few_rows (the packed kernel) at any number of rows. On
-    the 2-D x: torch's CPU bf16 matmul on a strided 3-D slice such as the prefill's last position
-    hidden[:, -1:] ([1, 1, 576], strides (T*576, 576, 1)) took ~200 ms, not ~8 ms."""
+    packed weight takes the packed kernel (cpu_ops.few_rows_bf16) at any number of rows. On the 2-D x:
+    torch's CPU bf16 matmul on a strided 3-D slice such as the prefill's last position hidden[:, -1:]
+    ([1, 1, 576], strides (T*576, 576, 1)) took ~200 ms, not ~8 ms."""
     if is_packed(weight):  # the packed kernel takes any number of rows
-        assert few_rows is not None, "a packed weight needs the kernel that packed it"
-        y = few_rows(x, weight)
+        y = cpu_ops.few_rows_bf16(x, weight)
         return y if bias is None else y + bias
     rows = x.shape[0]
     whole_step = few_rows in ROW_INDEPENDENT and tokens <= STEP_QUERIES and rows <= WHOLE_STEP_ROWS
