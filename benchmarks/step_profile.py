@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from unittest.mock import patch
 
@@ -41,10 +42,10 @@ from torch.profiler import ProfilerActivity, profile
 
 from redline.benchmark.machine import busy_cores, cpu_model, read_bandwidth_gbps
 from redline.engine_config import EngineConfig
-from redline.layers.packed import pack_weights
+from redline.layers.backends import Backends
 from redline.models.gguf import gguf_model_dir, smollm2_gguf
 from redline.parallel.group import SINGLE
-from redline.runner.build import build_runner
+from redline.runner.build import backends_of, build_runner
 from redline.runner.model_runner import ModelRunner
 from redline.runner.one_slot import fill_slot
 from redline.runner.warm_up import needs_warm_up, warm_up
@@ -55,6 +56,11 @@ PROMPT_LEN = 100
 
 def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.nbytes for p in model.parameters())  # parameters() yields a tied tensor once
+
+
+def row_major_backends(config: EngineConfig, device: torch.device) -> Backends:
+    """The engine's backends with the weights left [N, K] (--unpacked)."""
+    return replace(backends_of(config, device), packed_weights=False)
 
 
 def make_runner(target_dir: Path, draft_dir: Path | None, k: int, compile: bool, max_len: int) -> ModelRunner:
@@ -166,8 +172,7 @@ def main() -> None:
         for name, k, one_call, huge_pages, packed in kinds:
             with (
                 patch.dict(os.environ, {} if huge_pages else {"REDLINE_HUGE_PAGES": "0"}),
-                patch("redline.models.llama.pack_weights", pack_weights if packed else lambda model: None),
-                patch("redline.models.eagle3.pack_weights", pack_weights if packed else lambda model: None),
+                patch("redline.runner.build.backends_of", backends_of if packed else row_major_backends),
             ):
                 runner = make_runner(target_dir, draft_dir if k else None, k, not args.eager, max_len)
             for layer in runner.model.model.layers if not one_call else []:

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from redline.kernels.attention_core import attention_by_reductions, step_mask
-from redline.kernels.packed_layout import is_packed
+from redline.kernels.packed_layout import is_packed, out_features
 from redline.kernels.paged_kv import gather_blocks
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
@@ -125,10 +125,6 @@ def load() -> bool:
     )
     torch.library.register_fake("redline_cpu::dense_layer_bf16")(lambda x, *_: x.new_empty(x.shape))
     return True
-
-
-def out_features(weight: torch.Tensor) -> int:  # N of a weight [N, K] or packed [N / 32, K / 2, 32, 2]
-    return weight.shape[0] * weight.shape[2] if is_packed(weight) else weight.shape[0]
 
 
 def few_rows_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [M, K], [N, K] / packed -> [M, N]

@@ -41,6 +41,10 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:  # [N / 32, K / 2, 32, 2] -> [
     return packed.transpose(1, 2).reshape(blocks * rows, pairs * 2)
 
 
+def out_features(weight: torch.Tensor) -> int:  # N of a weight [N, K] or packed
+    return weight.shape[0] * weight.shape[2] if is_packed(weight) else weight.shape[0]
+
+
 def embedding_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # [V, H] or packed, [...]
     """table[ids] ([..., H]) of a table [V, H] or packed. Example: id 37 of a packed table is
     packed[1, :, 5] ([H / 2, 2]: its pairs of features), flattened."""

@@ -133,13 +133,14 @@ class Attention(nn.Module):
         self.prefill_kernel = backends.prefill_attention
         self.core = backends.attention_core  # over gathered keys and values
         self.few_rows, self.fuse = backends.few_rows, backends.fused_projections and not config.attention_bias
+        self.packed = backends.packed_weights  # the fused weight packed (linear.fuse_weights)
         self.qkv_weight: torch.Tensor | None = None  # [q + 2 kv features, in]: see fuse_qkv
 
     def fuse_qkv(self) -> None:
         """After loading, with fused projections: q_proj, k_proj and v_proj become views of one weight,
         multiplied once per step (linear.fuse_weights). Not when quantization replaced the linears."""
         if self.fuse and self.qkv_weight is None:
-            self.qkv_weight = fuse_weights((self.q_proj, self.k_proj, self.v_proj))
+            self.qkv_weight = fuse_weights((self.q_proj, self.k_proj, self.v_proj), self.packed)
 
     def forward(
         self,

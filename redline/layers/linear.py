@@ -31,7 +31,7 @@ from torch import nn
 
 from redline.kernels import cpu_ops
 from redline.kernels.attention_core import STEP_QUERIES
-from redline.kernels.packed_layout import is_packed
+from redline.kernels.packed_layout import PACK_ROWS, is_packed, pack, packable
 
 FEW_ROWS = 8
 FewRows = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [M, K], weight [N, K]) -> [M, N]
@@ -93,17 +93,21 @@ def tokens_per_sequence(x: torch.Tensor) -> int:  # x [B, T, features] or [rows,
     return x.shape[-2] if x.dim() > 2 else x.shape[0]
 
 
-def fuse_weights(linears: Sequence[nn.Module]) -> torch.Tensor | None:
+def fuse_weights(linears: Sequence[nn.Module], packed: bool = False) -> torch.Tensor | None:
     """After loading: the linears' weights become views of one [sum of out_features, in] weight (no extra
     memory), returned to be multiplied once (q/k/v, gate/up); None, changing nothing, when any is not a
-    plain Linear (quantization replaced it)."""
+    plain Linear (quantization replaced it). packed: the one weight is packed (kernels/packed_layout.py)
+    where it and each part can be, and the parts are views of its blocks of PACK_ROWS rows."""
     if any(type(p) is not Linear for p in linears):
         return None
     fused = torch.cat([p.weight.detach() for p in linears])
+    rows = [p.out_features for p in linears]  # of each part, in rows of fused
+    if packed and packable(fused) and all(n % PACK_ROWS == 0 for n in rows):
+        fused, rows = pack(fused), [n // PACK_ROWS for n in rows]  # in blocks of PACK_ROWS rows
     start = 0
-    for p in linears:
-        p.weight = nn.Parameter(fused[start : start + p.out_features], requires_grad=False)
-        start += p.out_features
+    for p, n in zip(linears, rows, strict=True):
+        p.weight = nn.Parameter(fused[start : start + n], requires_grad=False)
+        start += n
     return fused
 
 

@@ -23,6 +23,7 @@ class MLP(nn.Module):
         # SwiGLU'd by the kernel or by torch ([M, 2I] -> [M, I])
         self.swiglu: Callable[[torch.Tensor], torch.Tensor] | None = None if bias else backends.swiglu
         self.fuse = backends.fused_projections and not bias
+        self.packed = backends.packed_weights  # the fused weight packed (linear.fuse_weights)
         self.few_rows = backends.few_rows
         self.gate_up_weight: torch.Tensor | None = None
 
@@ -42,7 +43,7 @@ class MLP(nn.Module):
         linears."""
         if (self.swiglu is None and not self.fuse) or self.gate_up_weight is not None:
             return
-        self.gate_up_weight = fuse_weights((self.gate_proj, self.up_proj))
+        self.gate_up_weight = fuse_weights((self.gate_proj, self.up_proj), self.packed)
         if self.gate_up_weight is None:  # quantized after construction (tests do)
             self.swiglu, self.fuse = None, False
 
