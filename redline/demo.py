@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
+from redline.dtypes import fast_dtype
 from redline.engine.llm import LLM
 from redline.engine.request import Completion
-from redline.engine_config import fast_dtype
 from redline.sampling import SamplingParams
 from redline.tokenizer import Tokenizer
 from redline.train.draft import SHAREGPT, DraftRecipe, resumable, run_acceptance_length, train_draft

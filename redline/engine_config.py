@@ -25,46 +25,15 @@ from typing import Any
 
 import torch
 
-DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-}
+from redline.dtypes import DTYPES, dtype_name, fast_dtype, parse_dtype
+
 MODES = ("min-latency", "max-throughput")
 MODE_SLOTS = {"min-latency": 4, "max-throughput": 256}  # max_num_seqs when not given
 MAX_THROUGHPUT_PREFILL_TOKENS = 2048  # max-throughput's prefill forwards; min-latency prefills whole prompts
 MAX_DRAFT_TOKENS = 8
+METHODS = ("eagle3", "ngram")
+NGRAM_MIN, NGRAM_MAX, MAX_NGRAM = 2, 4, 16  # n-gram lookup: default suffix lengths, the longest allowed
 DEFAULT_CONTEXT = 4096  # max_model_len when not given: the model's own, at most this
-
-
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}, fp8, auto")
-    return DTYPES[name]
-
-
-def dtype_name(value: str | torch.dtype | None) -> str | None:
-    """torch.bfloat16 -> "bfloat16" (LLM(dtype=torch.bfloat16) works); a name (or None) passes through."""
-    return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
-
-
-def fast_bf16(device: str | torch.device = "cpu") -> bool:
-    """Whether `device` computes bf16 natively: CUDA with bf16, or a CPU with AVX-512 BF16 or AMX tiles, as
-    torch's own CPU feature detection (what inductor asks) reports them. Elsewhere bf16 is emulated and
-    slower than fp32."""
-    if torch.device(device).type == "cuda":
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-
-
-def fast_dtype(device: str | torch.device = "cpu") -> str:
-    """The default dtype: "bfloat16" where the device computes it natively, "float32" elsewhere."""
-    return "bfloat16" if fast_bf16(device) else "float32"
 
 
 def option(default: Any, help: str, *aliases: str, flags: tuple[str, ...] = (), flat: str = "", **kw: Any):
@@ -241,24 +210,71 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's --speculative-config: {"method": "eagle3", "model": DRAFT, "num_speculative_tokens": K}."""
+    """vLLM's --speculative-config: {"method": "eagle3", "model": DRAFT, "num_speculative_tokens": K}, or
+    {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4, "num_speculative_tokens": K}
+    (proposals copied from the request's own tokens: speculative/ngram.py). With "eagle3", a draft and
+    prompt_lookup_max, each slot takes the n-gram proposal where it has a match and the draft's elsewhere."""
 
     method: str = option(
-        "eagle3", "speculative decoding method", flat="speculative_method", choices=("eagle3",)
-    )
+        "eagle3", "speculative decoding method: eagle3 (a draft model) or ngram (prompt lookup, no model)",
+        flat="speculative_method", choices=METHODS,
+    )  # fmt: skip
     model: str | None = option(
         None, "EAGLE-3 draft directory or hub id (speculative decoding)", "speculative_model", flat="draft"
     )
     num_speculative_tokens: int = option(3, "draft length K (1..8)", "num_draft_tokens", metavar="K")
+    prompt_lookup_min: int | None = option(
+        None, f"n-gram lookup: the shortest suffix matched (default {NGRAM_MIN}; either alone sets both)",
+        metavar="N",
+    )  # fmt: skip
+    prompt_lookup_max: int | None = option(
+        None, f"n-gram lookup: the longest suffix matched (default {NGRAM_MAX} with method ngram; beside an "
+        "EAGLE-3 draft, giving it turns lookup on)", metavar="N",
+    )  # fmt: skip
+    adaptive_draft_length: bool = option(
+        True, "steps draft only while the slots' recent acceptance pays for the drafting step's cost; else "
+        "they verify no drafts (both kinds of step compiled at start-up)",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         _check_types(self)
-        _require(self.method == "eagle3", f'only "method": "eagle3" is supported, got {self.method!r}')
+        _require(self.method in METHODS, f'unknown speculative method {self.method!r}; choose "eagle3" or '
+                 '"ngram"')  # fmt: skip
         k = self.num_speculative_tokens
         _require(
             1 <= k <= MAX_DRAFT_TOKENS,
             f"num_speculative_tokens must be an integer in 1..{MAX_DRAFT_TOKENS}, got {k!r}",
         )
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        for name, n in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+            _require(n is None or 1 <= n <= MAX_NGRAM, f"{name} must be in 1..{MAX_NGRAM}, got {n}")
+        _require(low is None or high is None or low <= high,
+                 f"prompt_lookup_min {low} is more than prompt_lookup_max {high}")  # fmt: skip
+        if self.method == "ngram":
+            _require(self.model is None, 'method "ngram" takes no draft model; for n-gram lookup beside an '
+                     'EAGLE-3 draft give method "eagle3" with prompt_lookup_max')  # fmt: skip
+        elif (low, high) != (None, None):
+            _require(self.model is not None, 'prompt lookup needs method "ngram", or a draft model to sit '
+                     "beside")  # fmt: skip
+            _require(high is not None, "prompt_lookup_min beside an EAGLE-3 draft needs prompt_lookup_max "
+                     '(or method "ngram")')  # fmt: skip
+
+    @property
+    def lookup(self) -> tuple[int, int] | None:
+        """The n-gram suffix lengths (min, max) when lookup is on: method ngram, or eagle3 with a draft
+        and prompt_lookup_max. As in vLLM one given alone sets both; neither: NGRAM_MIN, NGRAM_MAX (vLLM's
+        are 5 and 5)."""
+        if self.method == "eagle3" and (self.model is None or self.prompt_lookup_max is None):
+            return None
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            return NGRAM_MIN, NGRAM_MAX
+        return low or high, high or low
+
+    @property
+    def on(self) -> bool:
+        """Whether the engine speculates: a draft model, or n-gram lookup."""
+        return self.model is not None or self.method == "ngram"
 
     @classmethod
     def from_json(cls, text: str | dict) -> SpeculativeConfig:
@@ -267,7 +283,9 @@ class SpeculativeConfig:
             raw = json.loads(text) if isinstance(text, str) else text
         except json.JSONDecodeError as e:
             raise ValueError(f"speculative_config is not JSON: {e}") from e
-        if not isinstance(raw, dict) or not isinstance(raw.get("model"), str):
+        if not isinstance(raw, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {raw!r}")
+        if raw.get("method", "eagle3") == "eagle3" and not isinstance(raw.get("model"), str):
             raise ValueError(f'speculative_config needs "model": the draft directory or hub id, got {raw!r}')
         known = {f.name for f in dataclasses.fields(cls)}
         _require(set(raw) <= known, f"speculative_config: unknown keys {sorted(set(raw) - known)}")
@@ -393,7 +411,7 @@ class EngineConfig:
 
     @property
     def speculation(self) -> bool:
-        return self.speculative.model is not None
+        return self.speculative.on
 
     def compiles_in_background(self, compiles: bool) -> bool:
         """Whether the engine serves eagerly while compiling (compiles: whether it compiles at all)."""

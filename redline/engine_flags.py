@@ -73,7 +73,9 @@ def add_engine_args(
             )
         if group == "speculative":
             help = (
-                """vLLM's form of --draft: '{"method": "eagle3", "model": D, "num_speculative_tokens": 3}'"""
+                """vLLM's form of --draft: '{"method": "eagle3", "model": D, "num_speculative_tokens": """
+                """3}' or '{"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4, """
+                """"num_speculative_tokens": 3}'"""
             )
             section.add_argument("--speculative-config", default=None, metavar="JSON", help=help)
             added.append("speculative_config")

@@ -96,7 +96,8 @@ class FakeExecutor:
                 for p in range(chunk.end, min(chunk.start + length, self.shapes.cache_len)):
                     self._write(chunk.slot, p, GARBAGE)
         if plan.decode is not None:
-            result.decode = self._decode(plan.decode.rows, plan.decode.kv_len)
+            k = self.shapes.k if plan.decode.k is None else plan.decode.k  # the drafts this step verifies
+            result.decode = self._decode(plan.decode.rows, plan.decode.kv_len, k)
         return result
 
     def _prefill_chunk(self, chunk) -> ChunkResult:
@@ -111,8 +112,7 @@ class FakeExecutor:
         self.active[chunk.slot] = chunk.decodes
         return ChunkResult(first)
 
-    def _decode(self, rows: int, kv_len: int) -> DecodeResult:
-        k = self.shapes.k
+    def _decode(self, rows: int, kv_len: int, k: int) -> DecodeResult:
         tokens, accepted = [], []
         for slot in range(rows):
             if not self.active[slot]:
@@ -135,4 +135,4 @@ class FakeExecutor:
             self.pending[slot], self.pos[slot] = emitted[-1], pos + n_acc + 1
         for slot in range(rows, self.shapes.slots):
             assert not self.active[slot], f"slot {slot} decodes but lies past the step's {rows} rows"
-        return DecodeResult(tokens, accepted, {})
+        return DecodeResult(tokens, accepted, {}, k)

@@ -33,26 +33,40 @@ def unique_graphs() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
-def test_a_run_through_every_bucket_compiles_nothing(llama3_pair):
-    """Two slots, K = 3, a context of 320: rows 1 and 2 (slot 1 busy keeps rows at 2), kv buckets 64 ->
-    128 -> 256 -> 327 as a request grows to the limit, greedy and sampled. Every (rows, kv_len, sampling)
-    key is visited after the warm-up, none compiles, and greedy tokens equal the eager engine's."""
+@pytest.mark.parametrize("drafting", ["eagle3", "eagle3+ngram"])
+def test_a_run_through_every_bucket_compiles_nothing(llama3_pair, drafting):
+    """K = 3, a context of 320: kv buckets 64 -> 128 -> 256 -> 327 as a request grows to the limit, greedy
+    and sampled. Every (rows, kv_len, sampling, k) key is visited after the warm-up, none compiles, and
+    greedy tokens equal the eager engine's. EAGLE-3 alone: two slots (rows 1 and 2: slot 1 busy keeps rows
+    at 2), every step drafting. Beside it n-gram lookup (its history sliced to the unbacked kv_len; lookup
+    alone runs the same code without the draft): one slot, adaptive, steps that verify no drafts forced
+    every third step."""
     target, draft = llama3_pair
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()  # unique_graphs counts from here
-    kw = dict(dtype="float32", max_batch=2, max_seq_len=CONTEXT, draft=draft, num_draft_tokens=3)
+    spec = {
+        "eagle3": dict(draft=draft, max_batch=2, adaptive_draft_length=False),
+        "eagle3+ngram": dict(draft=draft, prompt_lookup_max=3, max_batch=1),
+    }[drafting]
+    kw = dict(dtype="float32", max_seq_len=CONTEXT, num_draft_tokens=3, **spec)
     llm = LLM(target, compile=True, progress=False, **kw)
     runner = llm.runner
     graphs_after_warm_up = unique_graphs()
-    assert graphs_after_warm_up == 4 + 2  # (rows, sampling) for the step; prefill: one row, several rows
+    # (rows, sampling, k) for the step: 2 x 2 x 1 or 1 x 2 x 2; prefill: one row (and several rows)
+    assert graphs_after_warm_up == 4 + (2 if drafting == "eagle3" else 1)
     visited = set()
     step = runner.run_step
 
-    def recording_step(rows: int, kv_len: int, sampling: bool) -> torch.Tensor:
-        visited.add((rows, kv_len, sampling))
-        return step(rows, kv_len, sampling)
+    def recording_step(rows: int, kv_len: int, sampling: bool, k: int) -> torch.Tensor:
+        visited.add((rows, kv_len, sampling, k))
+        return step(rows, kv_len, sampling, k)
 
     runner.run_step = recording_step
+    if runner.shapes.adaptive:
+        steps = iter(range(10**6))
+        llm.engine.scheduler.draft_length.choose = lambda rows, slots, seeded=False: (
+            3 * (next(steps) % 3 != 2)
+        )
     long, short = torch.randint(5, 384, (20,)).tolist(), torch.randint(5, 384, (9,)).tolist()
     greedy = SamplingParams(max_tokens=CONTEXT - 20, ignore_eos=True)
     sampled = SamplingParams(
@@ -117,23 +131,24 @@ def test_compiled_llama4_runs_past_4096_tokens_without_compiling(tmp_path, token
 
 
 def test_a_compiled_step_compiles_each_pair_once_then_runs_its_bytecode_directly():
-    """A (rows, sampling) pair compiles on its first call; later calls, at any kv_len, run the bytecode
-    dynamo made for it with no guard lookup (and the same results); a new pair raises after freeze()."""
+    """A (rows, sampling, k) key compiles on its first call; later calls, at any kv_len, run the bytecode
+    dynamo made for it with no guard lookup (and the same results); a new key raises after freeze()."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     state, weight = torch.randn(4, 8), torch.randn(8, 8)
 
-    def step(rows: int, kv_len: int, sampling: bool) -> torch.Tensor:  # -> [rows, 8]
-        out = state[:rows] @ weight * kv_len
+    def step(rows: int, kv_len: int, sampling: bool, k: int) -> torch.Tensor:  # -> [rows, 8]
+        out = state[:rows] @ weight * kv_len - k
         return out + 1 if sampling else out
 
-    compiled = compiled_step.CompiledStep(step, cache_len=64, device=torch.device("cpu"), graphs=2)
-    for rows, kv_len, sampling in [(1, 10, False), (2, 20, True), (1, 33, False), (2, 64, True)]:
-        torch.testing.assert_close(compiled(rows, kv_len, sampling), step(rows, kv_len, sampling))
-    assert unique_graphs() == 2 and set(compiled.direct) == {(1, False), (2, True)}
+    compiled = compiled_step.CompiledStep(step, cache_len=64, device=torch.device("cpu"), graphs=3)
+    keys = [(1, 10, False, 3), (2, 20, True, 3), (1, 33, False, 3), (2, 64, True, 3), (1, 17, False, 0)]
+    for rows, kv_len, sampling, k in keys:
+        torch.testing.assert_close(compiled(rows, kv_len, sampling, k), step(rows, kv_len, sampling, k))
+    assert unique_graphs() == 3 and set(compiled.direct) == {(1, False, 3), (2, True, 3), (1, False, 0)}
     compiled.freeze()
     with pytest.raises(RuntimeError, match="not compiled at warm-up"):
-        compiled(4, 10, False)
-    compiled.compiled = None  # dynamo's entry point gone: the pairs run without it
-    torch.testing.assert_close(compiled(2, 5, True), step(2, 5, True))
-    torch.testing.assert_close(compiled(1, 64, False), step(1, 64, False))
+        compiled(4, 10, False, 3)
+    compiled.compiled = None  # dynamo's entry point gone: the keys run without it
+    torch.testing.assert_close(compiled(2, 5, True, 3), step(2, 5, True, 3))
+    torch.testing.assert_close(compiled(1, 64, False, 0), step(1, 64, False, 0))

@@ -87,8 +87,8 @@ def test_compiled_step_runs_the_graph_of_each_key_at_every_kv_len():
     torch._dynamo.utils.counters.clear()
     state = torch.zeros(8, 601)  # as KVCache: one position past the longest kv_len
 
-    def step(rows: int, kv_len: int, sampling: bool) -> torch.Tensor:
-        return state[:rows, :kv_len].sum(-1) + (1000 if sampling else 0)
+    def step(rows: int, kv_len: int, sampling: bool, k: int) -> torch.Tensor:
+        return state[:rows, :kv_len].sum(-1) + (1000 if sampling else 0) + k
 
     run = CompiledStep(step, cache_len=600, device=torch.device("cpu"), graphs=4)
     keys = [(1, 64, False), (2, 64, False), (1, 128, False), (2, 600, True), (1, 64, True), (2, 256, True)]
@@ -97,10 +97,10 @@ def test_compiled_step_runs_the_graph_of_each_key_at_every_kv_len():
         if i == len(keys):
             run.freeze()
         state.normal_()  # the graphs read the live tensor, not a copy from their compile
-        torch.testing.assert_close(run(rows, kv_len, sampling), step(rows, kv_len, sampling))
+        torch.testing.assert_close(run(rows, kv_len, sampling, 3), step(rows, kv_len, sampling, 3))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 4  # (rows, sampling): kv_len is dynamic
     with pytest.raises(RuntimeError, match="not compiled at warm-up"):
-        run(4, 64, False)
+        run(4, 64, False, 3)
 
 
 @pytest.mark.parametrize("dtype, tiles", [(torch.bfloat16, (128, 64)), (torch.float32, (64, 32))])

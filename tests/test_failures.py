@@ -77,11 +77,11 @@ def fail_decode(monkeypatch, llm: LLM, error: Exception, at: int = 0) -> None:
     """The runner's decode step number `at` (from 0, counted from now) raises `error`."""
     step, calls = llm.runner.run_step, [0]
 
-    def failing(rows: int, kv_len: int, logits: bool) -> torch.Tensor:
+    def failing(rows: int, kv_len: int, logits: bool, k: int | None = None) -> torch.Tensor:
         calls[0] += 1
         if calls[0] == at + 1:
             raise error
-        return step(rows, kv_len, logits)
+        return step(rows, kv_len, logits, k)
 
     monkeypatch.setattr(llm.runner, "run_step", failing)
 

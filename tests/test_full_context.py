@@ -54,15 +54,23 @@ def test_compiled_cuda_runs_to_the_context_limit(zero_logit_pair):
     run_to_the_limit(*zero_logit_pair, k=3, batch=4, device="cuda", compile=True, pdl=hopper)
 
 
-def run_to_the_limit(target, draft, k: int, batch: int, **engine) -> None:
-    kw = dict(max_batch=batch, max_seq_len=CONTEXT, draft=draft, num_draft_tokens=k, progress=False)
-    llm = LLM(target, dtype="float32", **kw, **engine)
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("k", [1, 5])
+def test_ngram_lookup_runs_to_the_context_limit(zero_logit_pair, k, batch):
+    """N-gram lookup alone over prompts of token 0: every proposal (0 again) is accepted, up to the last
+    position of the context, the slots' histories filled to their ends."""
+    run_to_the_limit(zero_logit_pair[0], None, k, batch, speculative_method="ngram", zeros=True)
+
+
+def run_to_the_limit(target, draft, k: int, batch: int, zeros: bool = False, **engine) -> None:
+    kw = dict(max_batch=batch, max_seq_len=CONTEXT, num_draft_tokens=k, progress=False)
+    llm = LLM(target, dtype="float32", **kw, **({"draft": draft} if draft else {}), **engine)
     # Staggered prompt lengths, so requests end at different steps and slots are reused after ending.
     # After the first token, m steps of K + 1 leave 1 token for the last step, which still advances the
     # slot by K + 1: it ends at CONTEXT + K - 1, the furthest a slot can go (n = CONTEXT - 2 - m (K + 1)).
     steps = torch.randperm((CONTEXT - 3) // (k + 1))[: 3 * batch] + 1
     lengths = (CONTEXT - 2 - steps * (k + 1)).tolist()
-    prompts = [torch.randint(5, 384, (n,)).tolist() for n in lengths]
+    prompts = [[0] * n if zeros else torch.randint(5, 384, (n,)).tolist() for n in lengths]
     params = [SamplingParams(max_tokens=CONTEXT - n, ignore_eos=True) for n in lengths]
     for n, params_i, c in zip(lengths, params, llm.generate(prompts, params), strict=True):
         assert c.token_ids == [0] * params_i.max_tokens and c.finish_reason == "length"

@@ -121,7 +121,8 @@ def test_smollm2_logprobs_of_a_long_prompt_and_its_completion_with_and_without_a
     """The real SmolLM2-135M-Instruct (fp32), a 2,000-token prompt of real ShareGPT text prefilled in chunks
     of 1,024 (each chunk's prompt logprobs computed 512 rows at a time), then 12 greedy tokens: every
     prompt and generated token's logprob, and its top 2, equal one whole forward of the sequence, with an
-    EAGLE-3 draft (K = 2) and without (up to the first token where an fp32 near tie may split them)."""
+    EAGLE-3 draft (K = 2 on every step) and without (up to the first token where an fp32 near tie may split
+    them)."""
     model_dir = gguf_model_dir(smollm2_gguf(), torch.float32, progress=False)
     draft = write_random_draft(model_dir, tmp_path / "draft")
     text = " ".join(m["content"] for c in sharegpt.conversations("train")[:40] for m in c.messages)
@@ -129,7 +130,7 @@ def test_smollm2_logprobs_of_a_long_prompt_and_its_completion_with_and_without_a
     params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2, prompt_logprobs=2)
     runs = []
     for d in (None, draft):
-        llm = LLM(model_dir, draft=d, num_draft_tokens=2, compile=False, **kw)
+        llm = LLM(model_dir, draft=d, num_draft_tokens=2, adaptive_draft_length=False, compile=False, **kw)
         prompt = llm.tokenizer.encode(text)[:2000]
         [out] = llm.generate([prompt], params)
         runs.append(out)

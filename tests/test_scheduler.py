@@ -30,8 +30,8 @@ def tokenizer(tokenizer_dir):
 
 
 def engine(slots: int, max_len: int, k: int, blocks: int, prefill_tokens: int | None = None,
-           caching: bool = True) -> tuple[EngineCore, FakeExecutor]:  # fmt: skip
-    shapes = Shapes(slots, max_len, k)
+           caching: bool = True, adaptive: bool = False) -> tuple[EngineCore, FakeExecutor]:  # fmt: skip
+    shapes = Shapes(slots, max_len, k, adaptive=adaptive)
     executor = FakeExecutor(shapes, blocks, TOKENIZER[0].vocab_size)
     return EngineCore(Scheduler(shapes, blocks, prefill_tokens, caching, draft=k > 0), executor), executor
 
@@ -58,6 +58,24 @@ def test_requests_get_the_models_continuation_in_every_slot_and_step(k):
     vocab = TOKENIZER[0].vocab_size
     assert [r.output_ids for r in requests] == [continuation(p, 20 + i, vocab) for i, p in enumerate(prompts)]
     assert core.stats().kv_blocks_free == 64 and core.stats().running == 0
+
+
+def test_steps_that_draft_nothing_reach_the_requests():
+    """Adaptive draft length: the plan's k reaches the executor, each step's tokens the requests; only the
+    steps that drafted count towards acceptance."""
+    core, _ = engine(slots=4, max_len=200, k=3, blocks=64, adaptive=True)
+    steps = iter(range(10**6))
+    core.scheduler.draft_length.choose = lambda rows, slots, seeded=False: 3 * (next(steps) % 2)
+    prompts = [[5 + i] * (3 + 7 * i) for i in range(6)]
+    requests = [request(p, 20 + i) for i, p in enumerate(prompts)]
+    for r in requests:
+        r.num_draft_tokens = 3
+    run(core, requests)
+    vocab = TOKENIZER[0].vocab_size
+    assert [r.output_ids for r in requests] == [continuation(p, 20 + i, vocab) for i, p in enumerate(prompts)]
+    for r in requests:
+        c = r.completion()
+        assert 0 < c.draft_steps < c.decode_steps and 1.0 <= c.acceptance_length <= 4.0
 
 
 def test_a_long_prompt_prefills_in_chunks_while_a_stream_decodes():

@@ -128,7 +128,9 @@ def test_a_speculative_config_redline_cannot_honour_is_refused():
     assert SpeculativeConfig.from_json('{"model": "d"}').num_speculative_tokens == 3
     for text, message in [
         ("{nope", "is not JSON"),
-        ('{"method": "ngram", "model": "d"}', 'only "method": "eagle3"'),
+        ('{"method": "ngram", "model": "d"}', 'method "ngram" takes no draft model'),
+        ('{"method": "medusa", "model": "d"}', "unknown speculative method"),
+        ("[1]", "must be a JSON object"),
         ('{"method": "eagle3"}', 'needs "model"'),
         ('{"model": "d", "num_speculative_tokens": "3"}', "num_speculative_tokens must be int, got '3'"),
         ('{"model": "d", "topk": 4}', "unknown keys"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from redline.benchmark.prompts import ENGINE_SETS
 from redline.engine_flags import add_engine_args
 
 SERVE_FLAGS = ("--num-prompts", "--request-rate", "--max-concurrency", "--max-output-tokens", "--tokenizer")
@@ -16,6 +17,13 @@ def _int_list(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x]
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
+
+
+def _lookup(text: str) -> tuple[int, int]:
+    sizes = _int_list(text)
+    if len(sizes) != 2 or not 1 <= sizes[0] <= sizes[1]:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX with 1 <= MIN <= MAX, got {text!r}")
+    return sizes[0], sizes[1]
 
 
 def _modes(text: str) -> list[str]:
@@ -42,8 +50,11 @@ def add_parser(sub) -> None:
     server.add_argument("--seed", type=int, default=0, help="with --dataset: seed of the arrival times")
     engines = b.add_argument_group("engines (--model)")
     help = "prompts from this held-out set (default: the stdlib held-out files)"
-    engines.add_argument("--data", choices=["sharegpt", "humaneval"], help=help)
+    help += "; humaneval-comments: functions asked back with comments added (repetitive)"
+    engines.add_argument("--data", choices=ENGINE_SETS, help=help)
     engines.add_argument("--draft", type=Path, help="an EAGLE-3 draft: redline + EAGLE-3 rows")
+    help = "n-gram lookup rows (prompt_lookup_min,max, e.g. 2,4): redline+ngram, and with --draft "
+    engines.add_argument("--ngram", type=_lookup, metavar="MIN,MAX", help=help + "redline+eagle3+ngram")
     engines.add_argument("--num-draft-tokens", type=_int_list, default=[1, 2, 3, 4, 5], help="e.g. 1,2,3")
     engines.add_argument("--max-tokens", type=int, default=128)
     engines.add_argument("--prompts", type=int, default=4)
@@ -65,7 +76,7 @@ def _bench_model(args: argparse.Namespace) -> tuple[Path, tuple[Path, ...]]:
     """The model directory to bench, and the GGUF files llama.cpp runs: with a .gguf model and
     llama-cpp-python installed, the file and an F16 copy of its dequantized weights (cached beside the
     import)."""
-    from redline.engine_config import parse_dtype
+    from redline.dtypes import parse_dtype
     from redline.models.source import local_model
 
     model = Path(args.model)
@@ -107,7 +118,7 @@ def _given(args: argparse.Namespace, flags: tuple[str, ...]) -> bool:
 def _bench_engines(args: argparse.Namespace) -> tuple[str, dict]:
     from redline.benchmark import machine, report
     from redline.benchmark.run import BenchSettings, run_bench
-    from redline.engine_config import fast_dtype
+    from redline.dtypes import fast_dtype
 
     if not args.model:
         raise ValueError("redline bench needs --model DIR (engine benchmark) or --url URL (server load test)")
@@ -129,7 +140,7 @@ def _bench_engines(args: argparse.Namespace) -> tuple[str, dict]:
         repeats=args.repeats,
         dtype=args.dtype, modes=tuple(m == "compiled" for m in modes), hf=not args.no_hf, data=args.data,
         gguf_files=gguf_files, tensor_parallel_size=args.tensor_parallel_size,
-        expert_parallel=args.enable_expert_parallel,
+        expert_parallel=args.enable_expert_parallel, ngram=args.ngram,
     )  # fmt: skip
     result = {"machine": machine.describe()}
     result |= run_bench(model_dir, args.draft, args.num_draft_tokens, settings)

@@ -24,15 +24,28 @@ class Request:
     ignore_eos: bool = False
 
 
+ENGINE_SETS = ("sharegpt", "humaneval", "humaneval-comments")
+COMMENTS_TASK = "Add comments to this Python code. Answer with the whole code.\n\n```python\n{}```"
+
+
 def engine_prompts(tokenizer: Tokenizer, name: str, count: int) -> list[list[int]]:
     """The first `count` prompts of a held-out set with at most MAX_PROMPT_TOKENS tokens, as token ids:
-    HumanEval's raw (a base-style completion), ShareGPT's first user turn in the model's chat template."""
+    HumanEval's raw (a base-style completion), ShareGPT's first user turn in the model's chat template, or
+    the repetitive set "humaneval-comments": each HumanEval function (prompt and canonical solution) asked
+    back with comments added, in a chat turn, so most of the answer copies the prompt."""
     if name == "humaneval":
         encoded = (tokenizer.encode(p.prompt) for p in humaneval.problems())
     elif name == "sharegpt":
         encoded = (tokenizer.encode_chat(list(c.messages[:1])) for c in sharegpt.conversations("held_out"))
+    elif name == "humaneval-comments":
+        encoded = (
+            tokenizer.encode_chat(
+                [{"role": "user", "content": COMMENTS_TASK.format(p.prompt + p.canonical_solution)}]
+            )
+            for p in humaneval.problems()
+        )
     else:
-        raise ValueError(f"unknown data set {name!r}: expected humaneval or sharegpt")
+        raise ValueError(f"unknown data set {name!r}: expected {', '.join(ENGINE_SETS)}")
     prompts = []
     for ids in encoded:
         if len(ids) <= MAX_PROMPT_TOKENS:

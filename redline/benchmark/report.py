@@ -38,6 +38,8 @@ def table(result: dict) -> str:
         if hf:
             line += f"{r['tps_user_median'] / hf:>7.2f}"
         rates = "/".join(f"{a:.2f}" for a in r["acceptance_rates"] or [])
+        if r.get("draft_step_share") is not None and r["draft_step_share"] < 1:
+            rates += f" (drafted {100 * r['draft_step_share']:.0f}% of steps)"
         same = "yes" if r["tokens_equal_plain"] else "no"
         lines.append(line + f"{r['warmup_s']:>9.1f}{same:>12}  {rates or '-'}")
     bound = result["roofline"]

@@ -1,5 +1,6 @@
 """`redline bench`: HF generate, redline plain decode and redline + EAGLE-3 for each K, in one process, on
-the same weights, prompts, dtype and thread count; batch 1, greedy, fixed-length completions.
+the same weights, prompts, dtype and thread count; batch 1, greedy, fixed-length completions. With
+`ngram`, n-gram lookup rows too: redline+ngram for each K, and beside a draft redline+eagle3+ngram.
 
 Prompts: windows of `prompt_len` tokens cut from the stdlib held-out files, or with `data` the first
 whole prompts of a held-out set (HumanEval raw; ShareGPT's first user turn in the chat template).
@@ -30,9 +31,9 @@ import torch
 from redline.benchmark import hf, llamacpp
 from redline.benchmark.machine import read_bandwidth_gbps
 from redline.benchmark.prompts import engine_prompts
+from redline.dtypes import parse_dtype
 from redline.engine.llm import LLM
 from redline.engine.request import Completion
-from redline.engine_config import parse_dtype
 from redline.runner.one_slot import fill_slot, release_slot
 from redline.sampling import SamplingParams
 from redline.tokenizer import Tokenizer
@@ -52,6 +53,7 @@ class BenchSettings:
     gguf_files: tuple[Path, ...] = ()  # llama.cpp runs each of these files
     tensor_parallel_size: int = 1  # redline over N processes (the roofline stays the whole model's bytes)
     expert_parallel: bool = False
+    ngram: tuple[int, int] | None = None  # n-gram lookup rows: prompt_lookup_min, prompt_lookup_max
 
 
 def _summary(engine: str, k: int | None, rates: list[float], ttfts: list[float], warmup_s: float) -> dict:
@@ -75,12 +77,29 @@ def bench_llama_cpp(path: Path, prompts: list[list[int]], s: BenchSettings) -> t
     return result, r["outputs"]
 
 
+def speculation_of(draft: Path | None, lookup: tuple[int, int] | None) -> tuple[str, dict]:
+    """A row's engine name and its LLM options: the draft, n-gram lookup, or both."""
+    if lookup is None:
+        return ("redline+eagle3", {"draft": draft}) if draft else ("redline", {})
+    ngram = {"prompt_lookup_min": lookup[0], "prompt_lookup_max": lookup[1]}
+    if draft:
+        return "redline+eagle3+ngram", {"draft": draft, **ngram}
+    return "redline+ngram", {"speculative_method": "ngram", **ngram}
+
+
 def bench_redline(
-    model_dir: Path, draft: Path | None, k: int, prompts: list[list[int]], s: BenchSettings, compiled: bool
+    model_dir: Path,
+    draft: Path | None,
+    k: int,
+    prompts: list[list[int]],
+    s: BenchSettings,
+    compiled: bool,
+    lookup: tuple[int, int] | None = None,  # n-gram lookup (min, max)
 ) -> tuple[dict, list[list[int]]]:
+    engine, speculation = speculation_of(draft, lookup) if k else ("redline", {})
     llm = LLM(
         model_dir, dtype=s.dtype, max_num_seqs=1, max_model_len=max(map(len, prompts)) + s.max_tokens + 16,
-        draft=draft, num_speculative_tokens=k if draft else 3, compile=compiled,
+        num_speculative_tokens=k or 3, compile=compiled, **speculation,
         tensor_parallel_size=s.tensor_parallel_size, enable_expert_parallel=s.expert_parallel,
         enable_prefix_caching=False,  # every repeat prefills cold, as the other engines do: TTFTs compare
     )  # fmt: skip
@@ -93,17 +112,17 @@ def bench_redline(
         for prompt in prompts:  # one at a time: batch 1, per-user latency
             completions.append(llm.generate([prompt], params)[0])
     result = _summary(
-        "redline+eagle3" if draft else "redline", k if draft else None,
-        [c.tokens_per_s for c in completions], [c.ttft_s for c in completions], warmup,
-    )  # fmt: skip
+        engine, k or None, [c.tokens_per_s for c in completions], [c.ttft_s for c in completions], warmup
+    )
     result["compiled"] = compiled
-    if draft:
-        steps = sum(c.decode_steps for c in completions)
+    if k:
+        steps = sum(c.draft_steps for c in completions)
         result["acceptance_length"] = run_acceptance_length(completions)
         result["acceptance_rates"] = [
-            sum(c.decode_steps * (c.acceptance_rates or [0.0] * k)[i] for c in completions) / steps
+            sum(c.draft_steps * (c.acceptance_rates or [0.0] * k)[i] for c in completions) / max(steps, 1)
             for i in range(k)
         ]
+        result["draft_step_share"] = steps / max(sum(c.decode_steps for c in completions), 1)
         if s.tensor_parallel_size == 1:  # it times the step's parts on this process's runner alone
             result["draft_share"] = draft_share(llm, prompts[0])
     result["tensor_parallel_size"] = s.tensor_parallel_size
@@ -179,9 +198,14 @@ def run_bench(model_dir: Path, draft: Path | None, ks: list[int], s: BenchSettin
             print(f"[redline] {e}", file=sys.stderr)
             failures.append(str(e))
     reference = None
+    rows: list[tuple[int, Path | None, tuple[int, int] | None]] = [(0, None, None)]  # (K, draft, lookup)
+    for k in ks:
+        rows += [(k, draft, None)] if draft else []
+        rows += [(k, None, s.ngram)] if s.ngram else []
+        rows += [(k, draft, s.ngram)] if draft and s.ngram else []
     for compiled in s.modes:
-        for k in [0, *(ks if draft else [])]:
-            measured.append(bench_redline(model_dir, draft if k else None, k, prompts, s, compiled))
+        for k, row_draft, lookup in rows:
+            measured.append(bench_redline(model_dir, row_draft, k, prompts, s, compiled, lookup))
             reference = reference or measured[-1][1]  # the first redline plain run
     bound = roofline(model_dir, s.dtype)
     runs = [run for run, _ in measured]

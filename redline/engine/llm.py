@@ -121,8 +121,9 @@ class LLM:
                 warm_up(self.executor, progress)
             self.warmup_s = time.perf_counter() - start
         shapes = shapes_of(config, self.model_config)
+        draft = config.speculative.model is not None  # a cached block's key covers the next token too
         scheduler = Scheduler(shapes, self.executor.num_blocks, config.scheduler.prefill_tokens,
-                              config.cache.enable_prefix_caching, config.speculation)  # fmt: skip
+                              config.cache.enable_prefix_caching, draft)  # fmt: skip
         self.engine = EngineCore(scheduler, self.executor)
 
     @property

@@ -21,9 +21,10 @@ class Completion:
     ttft_s: float  # arrival to first token
     latency_s: float  # arrival to last token
     tokens_per_s: float  # per user, decode phase: (tokens - 1) / (latency - ttft)
-    acceptance_length: float | None = None  # speculation: mean tokens emitted per decode step
-    acceptance_rates: list[float] | None = None  # per draft position: fraction of steps accepting it
+    acceptance_length: float | None = None  # speculation: mean tokens emitted per step that drafted
+    acceptance_rates: list[float] | None = None  # per draft position: fraction of those steps accepting it
     decode_steps: int = 0  # steps after prefill that produced this completion's tokens
+    draft_steps: int = 0  # those that verified drafts (the rest drafted nothing: engine/draft_length.py)
     preemptions: int = 0  # times its KV blocks were taken back and its tokens recomputed
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache (not computed)
     error: str | None = None  # why the engine failed this request (finish_reason "error")
@@ -52,6 +53,7 @@ class Request:
     finished_at: float | None = None
     slot: int | None = None
     steps: int = 0  # decode steps taken
+    draft_steps: int = 0  # of them, those that verified drafts
     preemptions: int = 0  # times the scheduler took its KV blocks back (it was prefilled again)
     prefill_ids: list[int] | None = None  # while it prefills: the tokens (prompt + outputs so far)
     computed: int = 0  # while it prefills: positions of prefill_ids in the cache (reused or computed)
@@ -77,8 +79,10 @@ class Request:
         """Absolute position of the newest token (the next forward's input)."""
         return len(self.prompt_ids) + len(self.output_ids) - 1
 
-    def record_step(self, n_acc: int) -> None:
+    def record_step(self, n_acc: int, drafted: bool = True) -> None:
+        """A decode step's result: n_acc drafts accepted, of drafts it verified (drafted) or none."""
         self.steps += 1
+        self.draft_steps += drafted
         if n_acc > len(self.accepted_at):
             self.accepted_at.extend([0] * (n_acc - len(self.accepted_at)))
         for j in range(n_acc):
@@ -160,6 +164,7 @@ class Request:
             latency_s=latency,
             tokens_per_s=(n - 1) / decode_time if n > 1 and decode_time > 0 else float("nan"),
             decode_steps=self.steps,
+            draft_steps=self.draft_steps,
             preemptions=self.preemptions,
             cached_tokens=self.cached_tokens,
             error=self.error,
@@ -169,10 +174,13 @@ class Request:
         )
 
     def acceptance(self) -> dict:
-        """Acceptance length counts every token the steps produced (the bonus included), before stops cut."""
+        """Acceptance length counts every token the steps that drafted produced (the bonus included), before
+        stops cut; steps that drafted nothing (adaptive draft length) are left out."""
         if not self.steps or self.num_draft_tokens == 0:
             return {}
-        rates = [a / self.steps for a in self.accepted_at] + [0.0] * (
+        if not self.draft_steps:
+            return dict(acceptance_length=None, acceptance_rates=None)
+        rates = [a / self.draft_steps for a in self.accepted_at] + [0.0] * (
             self.num_draft_tokens - len(self.accepted_at)
         )
         return dict(acceptance_length=1 + sum(rates), acceptance_rates=rates)

@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from redline.engine.blocks import BlockPool, BlockTable, OutOfBlocks
+from redline.engine.draft_length import DraftLength
 from redline.engine.request import Request
 from redline.failures import DeviceUnusableError, describe, device_unusable
 from redline.kernels.paged_kv import BLOCK
@@ -86,6 +87,8 @@ class Scheduler:
         self._admitted: list[SlotSetup] = []
         self._events: Events = []  # requests failed while planning
         self.planned = Planned()
+        # drafts verified per step: K, or with Shapes.adaptive 0 where drafting would not pay
+        self.draft_length = DraftLength(shapes.k, shapes.adaptive, fresh_without_drafting=not draft)
 
     def add(self, request: Request) -> None:
         if self.unusable is not None:
@@ -162,7 +165,8 @@ class Scheduler:
             request.prefill_ids, request.computed = tokens, cached
             request.cached_tokens += cached
             self.running[slot] = request
-            self._admitted.append(self._setup(slot, request, tokens))
+            self.draft_length.admit(slot)
+            self._admitted.append(self._setup(slot, request, tokens, self.shapes.ngram is not None))
 
     def _take_blocks(self, slot: int, tokens: list[int], request: Request) -> int | None:
         """Gives `slot` the blocks of `tokens` and a step's lookahead: the cached blocks of their longest
@@ -183,10 +187,11 @@ class Scheduler:
         return cached
 
     @staticmethod
-    def _setup(slot: int, request: Request, tokens: list[int]) -> SlotSetup:
+    def _setup(slot: int, request: Request, tokens: list[int], lookup: bool) -> SlotSetup:
+        """The slot's sampling; its tokens so far where penalties or n-gram lookup read them."""
         params = request.params
         sampling = SlotSampling.of(params, request.seed)
-        if not params.penalized:
+        if not (params.penalized or lookup):
             return SlotSetup(slot, sampling)
         return SlotSetup(slot, sampling, tuple(tokens), len(request.prompt_ids))
 
@@ -245,7 +250,9 @@ class Scheduler:
         rows = self.shapes.batch_bucket(max(decoding) + 1)
         logits = any(r.params.needs_logits for r in decoding.values())
         logprobs = {s: r.params.logprobs for s, r in decoding.items() if r.params.logprobs is not None}
-        return DecodeBatch(rows, self.shapes.kv_len_for(last), logits, logprobs)
+        seeded = any(r.params.seed is not None and r.params.temperature > 0 for r in decoding.values())
+        k = self.draft_length.choose(rows, list(decoding), seeded)
+        return DecodeBatch(rows, self.shapes.kv_len_for(last), logits, logprobs, k)
 
     # ---- results ----
 
@@ -257,12 +264,16 @@ class Scheduler:
             if done is not None and not request.finished:
                 self._prefilled(request, chunk, done, events)
         if result.decode is not None:
+            decoded = result.decode
+            running = [s for s, r in self.planned.decoding.items() if self.running.get(s) is r]
+            rows, accepted = len(decoded.accepted), {s: decoded.accepted[s] for s in running}
+            self.draft_length.observe(rows, decoded.k, decoded.seconds, accepted, decoded.runner)
             for slot, request in self.planned.decoding.items():
                 if request.finished or self.running.get(slot) is not request:
                     continue  # finished by its first token, failed or cancelled meanwhile
                 n_acc = result.decode.accepted[slot]
                 try:
-                    request.record_step(n_acc)
+                    request.record_step(n_acc, decoded.k > 0)
                     emitted = result.decode.tokens[slot][: n_acc + 1]
                     events.append((request, request.accept(emitted, result.decode.logprobs.get(slot))))
                 except Exception as error:
@@ -373,6 +384,7 @@ class Scheduler:
 
     def _free(self, slot: int) -> None:
         del self.running[slot]
+        self.draft_length.release(slot)
         self.tables[slot].release()
         self._tables = [u for u in self._tables if u.slot != slot]  # not written for a slot gone already
         self._released.append(slot)

@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from redline.data.sources import resolve
-    from redline.engine_config import fast_dtype
+    from redline.dtypes import fast_dtype
     from redline.evaluate import public_sets
     from redline.evaluate.run import EvalConfig, eval_table, evaluate, parse_config
     from redline.evaluate.tasks import load_tasks

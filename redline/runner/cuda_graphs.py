@@ -1,4 +1,4 @@
-"""CUDA graphs of the decode step, one per (batch bucket, kv bucket, sampling) key.
+"""CUDA graphs of the decode step, one per (batch bucket, kv bucket, sampling, k) key.
 
 The step reads and writes only persistent tensors (weights, KV caches, decode state, sampling
 parameters) and draws its random numbers from a hash, so a captured graph replays it exactly. The
@@ -16,11 +16,13 @@ import torch
 
 from redline.speculative.step import DecodeState
 
-Key = tuple[int, int, bool]
+Key = tuple[int, int, bool, int]
 
 
 class GraphedStep:
-    def __init__(self, step: Callable[[int, int, bool], torch.Tensor], state: DecodeState, warmup: int = 2):
+    def __init__(
+        self, step: Callable[[int, int, bool, int], torch.Tensor], state: DecodeState, warmup: int = 2
+    ):
         self.step, self.state, self.warmup = step, state, warmup
         self.graphs: dict[Key, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
@@ -29,11 +31,13 @@ class GraphedStep:
     def freeze(self) -> None:
         self.frozen = True
 
-    def __call__(self, rows: int, kv_len: int, any_sampling: bool) -> torch.Tensor:
-        key = (rows, kv_len, any_sampling)
+    def __call__(self, rows: int, kv_len: int, any_sampling: bool, k: int) -> torch.Tensor:
+        key = (rows, kv_len, any_sampling, k)
         if key not in self.graphs:
             if self.frozen:
-                raise RuntimeError(f"decode step {key} (rows, kv_len, sampling) was not captured at warm-up")
+                raise RuntimeError(
+                    f"decode step {key} (rows, kv_len, sampling, k) was not captured at warm-up"
+                )
             self.graphs[key] = self._capture(key)
         graph, out = self.graphs[key]
         graph.replay()
@@ -58,6 +62,8 @@ class GraphedStep:
         tensors = {"pending": s.pending, "pos": s.pos, "active": s.active, "counts": s.counts}
         if s.draft_probs is not None:
             tensors["draft_probs"] = s.draft_probs
+        if s.history is not None:
+            tensors["history"] = s.history
         return {name: t.clone() for name, t in tensors.items()}
 
     def _restore(self, saved: dict[str, torch.Tensor]) -> None:

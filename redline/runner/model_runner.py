@@ -11,6 +11,8 @@ and warm_up.py compiles them all before the first request.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from redline import logprobs
@@ -45,12 +47,15 @@ class ModelRunner:
         gpu_memory_utilization: float = 0.9,  # CUDA without kv_cache_memory: the device's share
         kv_of: ModelRunner | None = None,  # a runner of the same model whose KV pool this one shares
     ):
-        """shapes.k > 0 needs a draft. The model's layers got their kernels when they were built
-        (layers/backends.py); compile wraps the step and the prefill in torch.compile. With kv_of, this
-        runner reads and writes that runner's KV blocks (its own block table, state and sampling
-        tensors: runner/background_compile.py builds a compiled twin of an eager runner this way)."""
-        if (draft is None) != (shapes.k == 0):
-            raise ValueError(f"draft length {shapes.k} with {'no' if draft is None else 'a'} draft")
+        """shapes.k > 0 needs a draft, n-gram lookup (shapes.ngram) or both. The model's layers got their
+        kernels when they were built (layers/backends.py); compile wraps the step and the prefill in
+        torch.compile. With kv_of, this runner reads and writes that runner's KV blocks (its own block
+        table, state and sampling tensors: runner/background_compile.py builds a compiled twin of an eager
+        runner this way)."""
+        drafters = (draft is not None) + (shapes.ngram is not None)
+        if (drafters == 0) != (shapes.k == 0):
+            raise ValueError(f"draft length {shapes.k} with {'no' if drafters == 0 else 'a'} draft or n-gram "
+                             "lookup")  # fmt: skip
         self.model, self.draft, self.shapes = model, draft, shapes
         param = next(model.parameters())
         self.device = param.device
@@ -62,7 +67,9 @@ class ModelRunner:
         # the decode state first: its per-slot penalty counts ([slots, V]) count as memory in use for the KV
         # budget measured next
         draft_vocab = draft.config.draft_vocab_size if draft is not None else None
-        state = DecodeState.empty(shapes.slots, shapes.k, model.config.vocab_size, draft_vocab, self.device)
+        history_len = None if shapes.ngram is None else shapes.cache_len
+        state = DecodeState.empty(shapes.slots, shapes.k, model.config.vocab_size, draft_vocab, self.device,
+                                  history_len)  # fmt: skip
         sampling = SamplingTensors.zeros(shapes.slots, self.device)
         if kv_of is None:
             self.num_blocks = self._pool_blocks(kv_cache_memory, gpu_memory_utilization)
@@ -81,7 +88,7 @@ class ModelRunner:
                                   blocks, draft_layers)  # fmt: skip
             draft_cache.table = cache.table  # the same positions: the same blocks
         self.slots = DeviceSlots(cache, draft_cache, state, sampling)
-        emitter = Emitter(model, draft, shapes.k)
+        emitter = Emitter(model, draft, shapes.k, shapes.ngram)
         self.step = DecodeStep(emitter, cache, draft_cache, state, sampling)
         self.compiled_prefill = self.compiled_step = self.graphed_step = None
         forward = lambda tokens, positions, tables, kv_len: model(
@@ -91,7 +98,7 @@ class ModelRunner:
         if compile:
             prefill_graphs = 2 * len(prefill_shapes(shapes.cache_len, model.token_count_branches()))
             forward = self.compiled_prefill = CompiledPrefill(model, cache, prefill_graphs)
-            step_graphs = len({(rows, logits) for rows, _, logits in shapes.step_keys()})
+            step_graphs = len({(rows, logits, k) for rows, _, logits, k in shapes.step_keys()})
             self._run_step = self.compiled_step = CompiledStep(self.step, shapes.cache_len, self.device,
                                                                step_graphs)  # fmt: skip
         if cuda_graphs if cuda_graphs is not None else self.device.type == "cuda":
@@ -101,13 +108,15 @@ class ModelRunner:
         k = shapes.k
         width = k + 2 + (k + 1) * logprobs.width(model.config.vocab_size)  # the logits path's output
         self._host_tokens = torch.zeros((shapes.slots, k + 2), dtype=torch.int64, pin_memory=pin)
+        self._launched = 0.0  # when the last decode step was launched (perf_counter)
         self._host_logprobs = torch.zeros((shapes.slots, width), dtype=torch.int64, pin_memory=pin)
 
     @torch.inference_mode()
-    def run_step(self, rows: int, kv_len: int, any_sampling: bool) -> torch.Tensor:
-        """The decode step over slots [0, rows) as the engine runs it: eager (`step`), compiled or captured.
-        Returns what DecodeStep does: [rows, K + 2 (+ the packed logprobs on the logits path)]."""
-        return self._run_step(rows, kv_len, any_sampling)
+    def run_step(self, rows: int, kv_len: int, any_sampling: bool, k: int | None = None) -> torch.Tensor:
+        """The decode step over slots [0, rows) verifying k drafts (None: K) as the engine runs it: eager
+        (`step`), compiled or captured. Returns what DecodeStep does: [rows, K + 2 (+ the packed logprobs
+        on the logits path)]."""
+        return self._run_step(rows, kv_len, any_sampling, self.shapes.k if k is None else k)
 
     @property
     def cache(self) -> KVCache:
@@ -171,6 +180,7 @@ class ModelRunner:
         try:
             results = self._read_prefill(plan, prefilled)
             decoded = None if plan.decode is None else self._read_decode(plan.decode, launched)
+            decoded = self._timed_alone(plan, decoded)
         except Exception as error:
             raise StageError("read") from error
         return StepResult(results, decoded)
@@ -180,7 +190,8 @@ class ModelRunner:
 
     def _launch_decode(self, batch: DecodeBatch) -> torch.Tensor:
         """The step over slots [0, rows), its output copying to the host (not waited for)."""
-        out = self.run_step(batch.rows, batch.kv_len, batch.logits)
+        self._launched = time.perf_counter()
+        out = self.run_step(batch.rows, batch.kv_len, batch.logits, batch.k)
         if not batch.logprobs:  # the packed log-probabilities stay on the device
             out = out[:, : self.shapes.k + 2]
         host = (self._host_tokens if out.shape[1] == self.shapes.k + 2 else self._host_logprobs)[: batch.rows]
@@ -195,6 +206,7 @@ class ModelRunner:
         assert host is not None
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
+        seconds = time.perf_counter() - self._launched
         k = self.shapes.k
         rows = host[:, : k + 2].tolist()
         tokens, accepted = [row[: k + 1] for row in rows], [row[k + 1] for row in rows]
@@ -202,7 +214,14 @@ class ModelRunner:
         for slot, top in batch.logprobs.items():
             packed = host[slot, k + 2 :].view(k + 1, -1)
             chosen[slot] = logprobs.unpack(packed, tokens[slot][: accepted[slot] + 1], top)
-        return DecodeResult(tokens, accepted, chosen)
+        k = self.shapes.k if batch.k is None else batch.k
+        return DecodeResult(tokens, accepted, chosen, k, seconds, id(self))
+
+    def _timed_alone(self, plan: StepPlan, result: DecodeResult | None) -> DecodeResult | None:
+        """The step's time counts only when no prefill shared its plan (queued work would be in it)."""
+        if result is not None and plan.prefill is not None:
+            result.seconds = None
+        return result
 
     @torch.inference_mode()
     def log_probs(self, tokens: list[int]) -> torch.Tensor:  # [T - 1, V] fp32, on the CPU

@@ -32,11 +32,12 @@ def fill_slot(
     if blocks[-1] >= runner.num_blocks:
         raise ValueError(f"the KV pool ({runner.num_blocks} blocks) cannot give slot {slot} blocks "
                          f"{first}..{blocks[-1]}")  # fmt: skip
-    penalty = (tuple(prompt), len(prompt)) if params.penalized else (None, 0)
+    known = params.penalized or shapes.ngram is not None  # penalties or n-gram lookup read the tokens
+    known_tokens = (tuple(prompt), len(prompt)) if known else (None, 0)
     chunk = PrefillChunk(slot, tuple(prompt), 0, final=True, logprobs=params.logprobs)
     result = runner.execute(StepPlan(
         tables=(TableUpdate(slot, 0, blocks),),
-        admitted=(SlotSetup(slot, SlotSampling.of(params, seed), *penalty),),
+        admitted=(SlotSetup(slot, SlotSampling.of(params, seed), *known_tokens),),
         prefill=PrefillBatch((chunk,), logits=params.needs_logits),
     ))  # fmt: skip
     token = result.prefill[0].first

@@ -23,6 +23,7 @@ from typing import NamedTuple
 from redline.kernels.paged_kv import BLOCK, kv_bucket
 from redline.logprobs import TokenLogprob
 from redline.sampling import SamplingParams
+from redline.speculative.ngram import NgramRange
 
 ALIGN = 16  # prefill rows are padded to a multiple of this
 
@@ -57,8 +58,8 @@ class SlotSetup:
 
     slot: int
     sampling: SlotSampling
-    penalty_tokens: tuple[int, ...] | None = None  # penalized requests: prompt + outputs so far
-    prompt_len: int = 0  # penalty_tokens[:prompt_len] is the prompt
+    tokens: tuple[int, ...] | None = None  # prompt + outputs so far: penalized requests, n-gram lookup
+    prompt_len: int = 0  # tokens[:prompt_len] is the prompt
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,7 @@ class DecodeBatch:
     kv_len: int  # a kv bucket covering every row's writes
     logits: bool  # the logits path: some row samples, is penalized or reports logprobs
     logprobs: dict[int, int] = field(default_factory=dict)  # slot -> top N, for slots reporting logprobs
+    k: int | None = None  # drafts the step verifies: one of Shapes.variants (None: K)
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,9 @@ class DecodeResult:
     tokens: list[list[int]]  # per row of the batch: its K + 1 emitted tokens, the first n_acc + 1 new
     accepted: list[int]  # per row: n_acc, drafts accepted
     logprobs: dict[int, list[TokenLogprob]]  # slots reporting logprobs: their n_acc + 1 new tokens'
+    k: int  # the drafts the step verified
+    seconds: float | None = None  # the step's wall time, launch to result, when no prefill shared its plan
+    runner: int = 0  # which runner ran it (its id: a compiled twin takes over from an eager runner)
 
 
 @dataclass
@@ -148,7 +153,9 @@ class StageError(RuntimeError):
 
 @dataclass(frozen=True)
 class Shapes:
-    """The shapes every step runs at, known when the engine is built: slots, context, draft length K.
+    """The shapes every step runs at, known when the engine is built: slots, context, draft length K, with
+    n-gram lookup the suffix lengths it tries (the runner then keeps every slot's tokens), and whether
+    steps may verify no drafts (adaptive draft length: a second variant of the step, k = 0).
 
     A step writes up to K positions past the last accepted token (the target's verified rows) and the
     draft chain 2K - 1 past it, so a slot holds blocks for positions [0, position + lookahead) and the
@@ -158,6 +165,13 @@ class Shapes:
     slots: int
     max_len: int  # prompt + output tokens of a request
     k: int  # draft tokens per step (0: plain decoding)
+    ngram: NgramRange | None = None  # n-gram lookup drafts (alone, or beside an EAGLE-3 draft)
+    adaptive: bool = False  # steps of k = 0 beside k = K (engine/draft_length.py)
+
+    @property
+    def variants(self) -> tuple[int, ...]:
+        """The drafts a step may verify: (0, K) adaptive, else (K,)."""
+        return (0, self.k) if self.adaptive and self.k > 0 else (self.k,)
 
     @property
     def cache_len(self) -> int:
@@ -184,9 +198,15 @@ class Shapes:
     def blocks_for(self, positions: int) -> int:
         return -(-min(positions, self.cache_len) // BLOCK)
 
-    def step_keys(self) -> list[tuple[int, int, bool]]:
-        """Every (rows, kv_len, logits) a decode step can run at: rows a batch bucket, kv_len a kv bucket
-        (64, 128, ..., cache_len). 16 slots x 4,096 tokens, K = 3: 5 x 8 x 2 keys."""
+    def step_keys(self) -> list[tuple[int, int, bool, int]]:
+        """Every (rows, kv_len, logits, k) a decode step can run at: rows a batch bucket, kv_len a kv bucket
+        (64, 128, ..., cache_len), k a variant. 16 slots x 4,096 tokens, K = 3, adaptive: 5 x 8 x 2 x 2."""
         rows = sorted({self.batch_bucket(n) for n in range(1, self.slots + 1)})
         kv_lens = sorted({self.kv_len_for(p) for p in range(self.cache_len - 2 * self.k)})
-        return [(r, kv, logits) for r in rows for kv in kv_lens for logits in (False, True)]
+        return [
+            (r, kv, logits, k)
+            for r in rows
+            for kv in kv_lens
+            for logits in (False, True)
+            for k in self.variants
+        ]

@@ -123,8 +123,9 @@ class Prefill:
             draft_inputs = DraftInputs(aux, padded.next_tokens, padded.positions, last,
                                        slots.draft_cache.layers[0], tables, kv_len)  # fmt: skip
         no_drafts = torch.zeros((len(chunks), 0), dtype=torch.int64, device=slots.device)
+        history = None if state.history is None else state.history[rows]  # [B, L], a copy: written back
         e = self.emit(h_last, no_drafts, None, position, slots.sampling.take(rows), counts, seen, final,
-                      batch.logits, draft_inputs)  # fmt: skip
+                      batch.logits, draft_inputs, history)  # fmt: skip
         index = torch.tensor([i for i, c in enumerate(chunks) if c.final], device=slots.device)
         done = rows[index]  # these slots have their first token (and decode from now on, unless it ends them)
         state.pending[done] = e.pending[index]
@@ -132,6 +133,8 @@ class Prefill:
         state.active[done] = torch.tensor([c.decodes for c in chunks if c.final], device=slots.device)
         if e.draft_probs is not None and state.draft_probs is not None:
             state.draft_probs[done] = e.draft_probs[index]
+        if history is not None and state.history is not None:
+            state.history[done] = history[index]
         if counts is not None:  # last: a prefill that raises before here leaves the counts as they were
             state.counts[rows] = counts
         return DevicePrefill(e.tokens[:, 0], e.packed, prompt)

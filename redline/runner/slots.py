@@ -57,8 +57,8 @@ class DeviceSlots:
             self.cache.table[update.slot, update.start : end] = blocks.to(self.device)
 
     def set_up(self, setup: SlotSetup) -> None:
-        """Sampling parameters, and for penalized requests the prompt-token mask and the generated-token
-        counts (after a preemption, of the outputs so far: penalties.py)."""
+        """Sampling parameters; given the sequence so far, the prompt-token mask and the generated-token
+        counts (after a preemption, of the outputs so far: penalties.py) and the n-gram history."""
         s, slot = self.sampling, setup.slot
         for tensor, value in zip(
             (s.temperature, s.top_k, s.top_p, s.min_p, s.presence, s.frequency, s.repetition, s.seed),
@@ -66,9 +66,11 @@ class DeviceSlots:
             strict=True,
         ):
             tensor[slot] = value
-        if setup.penalty_tokens is not None:
-            ids = torch.tensor(setup.penalty_tokens, dtype=torch.int64, device=self.device)
+        if setup.tokens is not None:
+            ids = torch.tensor(setup.tokens, dtype=torch.int64, device=self.device)
             state = self.state
             state.seen[slot] = False
             state.seen[slot, ids[: setup.prompt_len]] = True
             state.counts[slot] = torch.bincount(ids[setup.prompt_len :], minlength=state.counts.shape[1])
+            if state.history is not None:
+                state.history[slot, : len(ids)] = ids

@@ -2,8 +2,8 @@
 
 - the prefill: one graph with the batch, chunk length and keys dynamic, plus one per side of a length
   branch in the model (a Llama 4 MoE layer's few-token path): prefill_shapes visits them all;
-- the decode step: compiled, one graph per (rows, sampling), run once at the smallest kv bucket (kv_len is
-  a dynamic dimension); captured as CUDA graphs, one per (rows, kv_len, sampling) key;
+- the decode step: compiled, one graph per (rows, sampling, k), run once at the smallest kv bucket (kv_len
+  is a dynamic dimension); captured as CUDA graphs, one per (rows, kv_len, sampling, k) key;
 - one real prompt through the eager parts (the draft's priming pass: on CUDA its Triton kernels compile
   on first use).
 
@@ -32,16 +32,16 @@ def needs_warm_up(runner: ModelRunner) -> bool:
     return any(s is not None for s in (runner.compiled_prefill, runner.compiled_step, runner.graphed_step))
 
 
-def step_keys_to_run(runner: ModelRunner) -> list[tuple[int, int, bool]]:
+def step_keys_to_run(runner: ModelRunner) -> list[tuple[int, int, bool, int]]:
     """The step keys warm-up runs: all of them for CUDA graphs (one graph per key), else one per (rows,
-    sampling) at the smallest kv bucket: a compiled step has one graph for every kv_len."""
+    sampling, k) at the smallest kv bucket: a compiled step has one graph for every kv_len."""
     keys = runner.shapes.step_keys()
     if runner.graphed_step is not None:
         return keys
-    smallest_kv: dict[tuple[int, bool], int] = {}
-    for rows, kv_len, sampling in keys:
-        smallest_kv.setdefault((rows, sampling), kv_len)
-    return [(rows, kv_len, sampling) for (rows, sampling), kv_len in smallest_kv.items()]
+    smallest_kv: dict[tuple[int, bool, int], int] = {}
+    for rows, kv_len, sampling, k in keys:
+        smallest_kv.setdefault((rows, sampling, k), kv_len)
+    return [(rows, kv_len, sampling, k) for (rows, sampling, k), kv_len in smallest_kv.items()]
 
 
 @torch.inference_mode()
@@ -65,7 +65,8 @@ def warm_up(
                 work.append((f"prefill {rows}x{n}", lambda rows=rows, n=n: _prefill(runner, rows, n)))
     if steps:
         for key in step_keys_to_run(runner):
-            work.append((f"step {key[0]}x{key[1]}", lambda key=key: runner.run_step(*key)))
+            name = f"step {key[0]}x{key[1]}" + (f" k={key[3]}" if len(runner.shapes.variants) > 1 else "")
+            work.append((name, lambda key=key: runner.run_step(*key)))
     if prompt:
         work.append(("prompt", lambda: _prompt(runner)))
     with tqdm(work, desc="compiling" if runner.compiled_step else "capturing", disable=not progress) as bar:

@@ -4,7 +4,7 @@ The engine loop runs on the main thread and uvicorn on another. Ctrl-C or SIGTER
 loop dies, or the HTTP server ends by itself, the process exits 1 instead of serving nothing.
 
 The mode (--mode, an engine option: engine_config.py) sets the slots and prefill defaults;
---no-speculation serves without the draft (an A/B switch).
+--no-speculation serves without speculation (the draft or n-gram lookup: an A/B switch).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import signal
 import threading
 from pathlib import Path
 
-from redline.engine_config import EngineConfig
+from redline.engine_config import EngineConfig, SpeculativeConfig
 from redline.engine_flags import add_engine_args, config_from_args
 
 
@@ -43,7 +43,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         )
     config = config_from_args(args, model=model).answering_at_once()
     if args.no_speculation:
-        config = dataclasses.replace(config, speculative=dataclasses.replace(config.speculative, model=None))
+        config = dataclasses.replace(config, speculative=SpeculativeConfig())
     return config
 
 
@@ -62,7 +62,7 @@ def serve(args: argparse.Namespace) -> int:
     config = engine_config(args)
     model, scheduler = config.load.model, config.scheduler
     if scheduler.mode == "min-latency" and not config.speculation:
-        log.warning("min-latency mode without a draft: serving without speculation")
+        log.warning("min-latency mode without a draft or n-gram lookup: serving without speculation")
     llm = LLM(config=config)
     if llm.warmup_s:
         log.info("warm-up: every prefill and step shape compiled in %.1f s", llm.warmup_s)
@@ -110,7 +110,9 @@ def add_parser(sub) -> None:
     s.add_argument("model_arg", nargs="?", default=None, metavar="MODEL", help=help)
     add_engine_args(s)
     http = s.add_argument_group("server")
-    http.add_argument("--no-speculation", action="store_true", help="ignore the draft (an A/B switch)")
+    http.add_argument(
+        "--no-speculation", action="store_true", help="ignore the draft or n-gram lookup (an A/B switch)"
+    )
     http.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
     http.add_argument("--host", default="127.0.0.1")
     http.add_argument("--port", type=int, default=8000)

@@ -8,6 +8,11 @@ accepted position. A decode step calls it with T = K + 1 (pending = last token +
 T = 1 at each chunk's last row (no drafts to verify). Under tensor parallelism every rank then takes
 rank 0's decisions, so all ranks feed the same tokens to the next forward.
 
+Proposals come from the EAGLE-3 draft, from n-gram lookup in each row's own tokens (speculative/ngram.py),
+or from both: then each row takes the n-gram proposal where its tokens hold a match, the draft's elsewhere.
+An n-gram proposal is deterministic: its stored distribution is all zeros, which verification reads as a
+one-hot on the proposed token.
+
 Example, K = 2, a decode row with pending [a, d1, d2] at positions [p, p + 1, p + 2]: the target's choices
 after a, d1, d2 are [d1, x, y] -> d1 accepted, d2 rejected (x != d2): tokens [d1, x, *], n_acc 1; the draft
 continues from the row at p + 1 (whose next token is now x) and proposes [e1, e2]; pending becomes
@@ -25,6 +30,8 @@ from redline.models.eagle3 import Eagle3Draft
 from redline.models.llama import LlamaForCausalLM
 from redline.penalties import count_emitted, counts_after_drafts, penalize
 from redline.sampling import SamplingTensors, filtered_probs
+from redline.speculative import ngram
+from redline.speculative.ngram import NgramRange
 from redline.speculative.propose import DraftInputs, propose
 from redline.speculative.verify import greedy_verify, rejection_verify
 
@@ -34,13 +41,17 @@ class Emitted:
     tokens: torch.Tensor  # [B, T]: the first n_acc + 1 are new
     accepted: torch.Tensor  # [B] n_acc
     pending: torch.Tensor  # [B, K + 1]: the next step's input, the bonus token then K drafts
-    draft_probs: torch.Tensor | None  # [B, K, V_draft]: what the drafts were sampled from (logits path)
+    draft_probs: torch.Tensor | None  # [B, K, V_draft]: what the drafts were sampled from (logits path;
+    # zeros for an n-gram proposal)
     packed: torch.Tensor | None  # [B, T * logprobs.width]: the tokens' log-probabilities (logits path)
 
 
 class Emitter:
-    def __init__(self, target: LlamaForCausalLM, draft: Eagle3Draft | None, k: int):
-        self.target, self.draft, self.k = target, draft, k
+    def __init__(
+        self, target: LlamaForCausalLM, draft: Eagle3Draft | None, k: int, lookup: NgramRange | None = None
+    ):
+        """k > 0 needs a draft, n-gram lookup or both."""
+        self.target, self.draft, self.k, self.lookup = target, draft, k, lookup
         if draft is not None:  # draft id -> target id for the whole draft vocabulary (q on the target's)
             ids = torch.arange(draft.config.draft_vocab_size, device=draft.d2t.device)
             self.draft_to_target = draft.to_target(ids)
@@ -57,6 +68,7 @@ class Emitter:
         emitting: torch.Tensor,  # [B] bool rows that really emit (active slots, final chunks)
         any_sampling: bool,  # the logits path (host-known): some row samples, is penalized or wants logprobs
         draft_inputs: DraftInputs | None,
+        history: torch.Tensor | None = None,  # [B, L] n-gram lookup: the rows' tokens by position, written
     ) -> Emitted:
         t = hidden.shape[1]
         packed = None
@@ -83,7 +95,34 @@ class Emitter:
                 decided = self.target.tp.from_first_rank(torch.cat((tokens, accepted[:, None], pending), 1))
                 tokens, accepted, pending = decided.split([t, 1, pending.shape[1]], dim=1)
                 accepted = accepted[:, 0]  # [B, T | 1 | K + 1] -> [B]
+        if self.lookup is not None:
+            assert history is not None
+            pending, probs = self._lookup(history, tokens, accepted, positions, emitting, pending, probs)
         return Emitted(tokens, accepted, pending, probs, packed)
+
+    def _lookup(
+        self,
+        history: torch.Tensor,  # [B, L]
+        tokens: torch.Tensor,  # [B, T]
+        accepted: torch.Tensor,  # [B]
+        positions: torch.Tensor,  # [B, T]
+        emitting: torch.Tensor,  # [B]
+        pending: torch.Tensor,  # [B, 1] the bonus token, or [B, K + 1] with the draft's proposals
+        probs: torch.Tensor | None,  # [B, K, V_draft] the draft's proposals' distributions
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Records the emitted tokens in the rows' history, then proposes from it: the n-gram drafts
+        alone, or in place of the draft's where a row has a match."""
+        new = (torch.arange(tokens.shape[1], device=tokens.device) <= accepted[:, None]) & emitting[:, None]
+        ngram.record(history, tokens, positions, new)
+        last = positions.gather(1, accepted[:, None])[:, 0] + 1  # [B] where the bonus token sits
+        assert self.lookup is not None
+        drafts, found = ngram.propose(history, last, self.k, self.lookup)
+        if self.draft is None:
+            return torch.cat((pending, drafts), dim=1), None
+        pending = torch.cat((pending[:, :1], torch.where(found[:, None], drafts, pending[:, 1:])), dim=1)
+        if probs is not None:  # an n-gram proposal's q is a one-hot (_draft_q): marked by zeros
+            probs = torch.where(found[:, None, None], 0.0, probs)
+        return pending, probs
 
     def _propose(
         self,
@@ -103,6 +142,11 @@ class Emitter:
         rows = inputs.first_row[:, None] + torch.arange(t, device=tokens.device)  # [B, T]
         known = inputs.next_tokens.gather(1, rows)
         next_tokens = inputs.next_tokens.scatter(1, rows, torch.where(emitting[:, None], tokens, known))
+        if not inputs.proposes:  # the draft's keys at the verified rows, then K copies of the bonus token
+            assert self.draft is not None
+            self.draft.write_keys(next_tokens, self.draft.fuse(inputs.aux), inputs.positions, inputs.cache,
+                                  inputs.tables)  # fmt: skip
+            return self._no_proposals(tokens.gather(1, accepted[:, None]), any_sampling)
         penalties = None
         if any_sampling:  # the proposals are penalized as verification will be
             assert counts is not None and seen is not None
@@ -111,6 +155,21 @@ class Emitter:
         row = inputs.first_row + accepted
         return propose(self.draft, inputs, next_tokens, row, self.k, sampling, any_sampling, penalties)
 
+    def _no_proposals(
+        self,
+        bonus: torch.Tensor,  # [B, 1]
+        any_sampling: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # drafts [B, K], probs [B, K, V_draft] zeros
+        """What a step that drafts nothing leaves pending: the bonus token K times, proposed
+        deterministically (zero distributions: a one-hot q), so a step that verifies them stays exact."""
+        assert self.draft is not None
+        probs = None
+        if any_sampling:
+            probs = torch.zeros(
+                bonus.shape[0], self.k, self.draft.config.draft_vocab_size, device=bonus.device
+            )
+        return bonus.expand(-1, self.k), probs
+
     def _draft_q(
         self,
         draft_probs: torch.Tensor | None,  # [B, T - 1, V_draft]
@@ -118,11 +177,13 @@ class Emitter:
         sampling: SamplingTensors,
     ) -> torch.Tensor:  # [B, T - 1, V]
         """The drafts' distributions on the target vocabulary; greedy rows get a one-hot on their draft
-        (their stored distributions may be stale, and greedy verification needs exactly that)."""
+        (their stored distributions may be stale, and greedy verification needs exactly that), and so do
+        n-gram proposals (stored as zeros: a sampled distribution sums to 1)."""
         vocab = self.target.config.vocab_size
         one_hot = torch.nn.functional.one_hot(drafts, vocab).float()
         if draft_probs is None or drafts.shape[1] == 0:
             return one_hot
         index = self.draft_to_target.expand(*draft_probs.shape[:2], -1)
         q = torch.zeros(*draft_probs.shape[:2], vocab, device=drafts.device).scatter_(-1, index, draft_probs)
-        return torch.where(sampling.temperature[:, None, None] > 0, q, one_hot)
+        sampled = (sampling.temperature[:, None] > 0) & (draft_probs.sum(dim=-1) > 0)  # [B, T - 1]
+        return torch.where(sampled[..., None], q, one_hot)

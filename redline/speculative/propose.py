@@ -27,6 +27,7 @@ class DraftInputs:
     cache: KVLayer  # the draft's KV layer
     tables: torch.Tensor  # [B, blocks per sequence] int32
     kv_len: int  # keys the draft attends: past its chain's last write
+    proposes: bool = True  # False: a step that drafts nothing keeps the draft's cache only (write_keys)
 
 
 def propose(

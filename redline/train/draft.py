@@ -232,17 +232,19 @@ def train_draft(
 def acceptance_length(
     target_dir: Path, draft_dir: Path, prompts: list[list[int]], max_tokens: int, k: int = 3
 ) -> float:
-    """Mean tokens emitted per decode step over greedy completions of `prompts`."""
+    """Mean tokens emitted per decode step over greedy completions of `prompts` (every step drafting)."""
     llm = LLM(target_dir, dtype="float32", max_num_seqs=8, draft=draft_dir, num_speculative_tokens=k,
-              max_model_len=max(map(len, prompts)) + max_tokens + 8, compile=False)  # fmt: skip
+              max_model_len=max(map(len, prompts)) + max_tokens + 8, compile=False,
+              adaptive_draft_length=False)  # fmt: skip
     completions = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     return run_acceptance_length(completions)
 
 
 def run_acceptance_length(completions: list[Completion]) -> float:
-    """Tokens the decode steps produced per step, over all completions (each weighted by its steps)."""
-    steps = sum(c.decode_steps for c in completions)
-    produced = sum(c.decode_steps * (c.acceptance_length or 1.0) for c in completions)
+    """Tokens the decode steps that drafted produced per step, over all completions (each weighted by its
+    steps)."""
+    steps = sum(c.draft_steps for c in completions)
+    produced = sum(c.draft_steps * (c.acceptance_length or 1.0) for c in completions)
     return produced / steps if steps else math.nan
 
 

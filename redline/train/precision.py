@@ -8,7 +8,7 @@ import contextlib
 
 import torch
 
-from redline.engine_config import fast_bf16
+from redline.dtypes import fast_bf16
 
 
 def compute_dtype(device: str | torch.device = "cpu") -> torch.dtype:

@@ -1,0 +1,133 @@
+"""Adaptive draft length: each step verifies K drafts per slot or none, whichever the slots' recent
+acceptance says produces more tokens per second.
+
+A step of k = K costs c times a step of k = 0 (c measured: the median wall time of each variant's last
+TIMED steps at each batch bucket: single steps on a shared machine stray by tens of percent, while c is
+1.1-1.4 at batch 1 on 2 CPU cores) and yields, for every slot, one token plus the drafts it accepts.
+With a_s the recent accepted drafts per step of slot s (a moving average over its steps that verified
+fresh drafts), the
+batch of n slots produces n + sum(a_s) tokens in time c against n tokens in time 1, so it drafts when
+
+    sum(a_s) > (c - 1) * n.
+
+Each slot's estimate counts for itself: one slot whose drafts are accepted carries a batch whose others
+are not. Both variants are compiled (or captured) at start-up (Shapes.variants), so a switch never
+compiles. Tokens stay plain decoding's either way (greedy: identical; sampled: the same distribution),
+but a sampled token is drawn differently by a drafting step and by one that drafts nothing, so a batch
+holding a request that samples with a seed always drafts: its tokens stay the same alone or batched. A
+step of k = 0 keeps every drafter's state whole (the draft's keys at the new position; n-gram proposals
+from the updated history), so acceptance is whole again from the second drafting step on (the first
+verifies what the step without drafts left pending: with an EAGLE-3 draft, the bonus token copied).
+
+Estimates of slots that have not drafted lately go stale: after `probe` steps without drafting the
+batch drafts for two steps (the first verifies what a step without drafts left pending, the bonus token
+copied, so only the second measures: its acceptance is what the slots' estimates take), and the gap
+doubles, up to PROBE_MAX, until drafting pays again. With a draft that
+is never accepted at batch 1 that costs 2 (c - 1) / PROBE_MAX of the steps' time: 0.5% at c = 1.3. The
+other way round, a batch that has drafted PLAIN_PROBE steps in a row takes one step without drafts, so c
+is timed anew (c is never taken below 1, and steps that shared their plan with a prefill are not timed).
+
+Example, K = 3, c = 1.3: two slots with a = 1.2 and 0.1 give 1.3 > 0.6, so the batch drafts; with
+a = 0.2 and 0.1 it does not (0.3 < 0.6).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from statistics import median
+
+SMOOTHING = 0.25  # weight of a new observation in a slot's acceptance average
+TIMED = 15  # step times kept per (batch bucket, k): c is the ratio of their medians
+PRIOR_SMOOTHING = 0.1  # weight of a slot's observation in the prior new slots start from
+DEFAULT_COST = 1.3  # c before both variants were timed at a batch bucket
+PROBE_MIN, PROBE_MAX = 8, 128  # steps without drafting before a probe
+PLAIN_PROBE = 256  # drafting steps in a row before one without drafts (c timed anew)
+
+
+@dataclass
+class DraftLength:
+    k: int  # the drafts a step verifies when it drafts
+    adaptive: bool  # False: every step verifies K
+    fresh_without_drafting: bool = False  # a k = 0 step still proposes (n-gram alone): nothing goes stale
+    prior: float = 1.0  # where a new slot's estimate starts: the average over past slots' observations
+    rate: dict[int, float] = field(default_factory=dict)  # slot -> accepted drafts per step
+    fresh: set[int] = field(default_factory=set)  # slots whose pending drafts were proposed for them
+    seconds: dict[tuple[int, int], deque[float]] = field(default_factory=dict)  # (rows, k) -> last times
+    since_drafting: int = 0  # steps without drafting
+    since_plain: int = 0  # drafting steps in a row
+    probe: int = PROBE_MIN  # steps without drafting before the next probe
+    probing: int = 0  # probe steps still to run
+    runner: int = 0  # the runner the times are of
+
+    def admit(self, slot: int) -> None:
+        """A request entered the slot: its prefill proposes fresh drafts; its estimate starts at the prior."""
+        self.rate[slot] = self.prior
+        self.fresh.add(slot)
+
+    def release(self, slot: int) -> None:
+        self.rate.pop(slot, None)
+        self.fresh.discard(slot)
+
+    def cost(self, rows: int) -> float:
+        """c: a drafting step's time over a step without drafts, at this batch bucket."""
+        drafting, plain = self.seconds.get((rows, self.k)), self.seconds.get((rows, 0))
+        return max(1.0, median(drafting) / median(plain)) if drafting and plain else DEFAULT_COST
+
+    def choose(self, rows: int, slots: list[int], seeded: bool = False) -> int:
+        """The drafts the next step over `slots` (batch bucket `rows`) verifies: K or 0. seeded: some slot
+        samples with a seed (the step drafts)."""
+        if not self.adaptive or not slots or seeded:
+            return self.k
+        if self.probing:
+            self.probing -= 1
+            self.since_drafting = 0
+            return self.k
+        gain = sum(self.rate.get(s, self.prior) for s in slots)
+        if gain > (self.cost(rows) - 1.0) * len(slots):
+            self.probe = PROBE_MIN  # drafting pays: the next probes start close again
+            return self._drafting(rows)
+        self.since_drafting += 1
+        if self.since_drafting <= self.probe:
+            return 0
+        self.probing = 1  # this step and the next
+        self.probe = min(2 * self.probe, PROBE_MAX)
+        self.since_drafting = 0
+        return self.k
+
+    def _drafting(self, rows: int) -> int:
+        """K, or 0 once every PLAIN_PROBE drafting steps in a row, and early while steps without drafts at
+        this bucket have been timed fewer than 3 times (so c is measured, not assumed)."""
+        self.since_drafting = 0
+        self.since_plain += 1
+        untimed = len(self.seconds.get((rows, 0), ())) < 3 and self.since_plain > PROBE_MIN
+        if self.since_plain > PLAIN_PROBE or untimed:
+            self.since_plain = 0
+            return 0
+        return self.k
+
+    def observe(
+        self, rows: int, k: int, seconds: float | None, accepted: dict[int, int], runner: int = 0
+    ) -> None:
+        """A decode step's result: its variant, wall time (None: not timed alone), each slot's accepted
+        drafts, and which runner ran it (a compiled twin taking over from an eager runner: times anew)."""
+        if runner != self.runner:
+            self.runner = runner
+            self.seconds.clear()
+        key = (rows, k)
+        if seconds is not None:
+            self.seconds.setdefault(key, deque(maxlen=TIMED)).append(seconds)
+        if k == 0:
+            self.since_plain = 0
+            if not self.fresh_without_drafting:
+                self.fresh -= set(accepted)
+            return
+        for slot, n in accepted.items():
+            if slot in self.fresh:
+                self.rate[slot] = _mix(self.rate.get(slot, self.prior), n, SMOOTHING)
+                self.prior = _mix(self.prior, n, PRIOR_SMOOTHING)
+            self.fresh.add(slot)
+
+
+def _mix(old: float, new: float, weight: float) -> float:
+    return (1.0 - weight) * old + weight * new

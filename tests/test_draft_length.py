@@ -1,0 +1,162 @@
+"""Adaptive draft length: the policy on its own (no model), steps that verify no drafts keeping the
+drafter's state whole, and greedy output that stays plain decoding's whichever steps draft."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_hf_model, greedy_divergence_is_a_near_tie, llama3_hf_config, save_hf_model
+
+from redline import LLM, SamplingParams
+from redline.engine.draft_length import DEFAULT_COST, PLAIN_PROBE, PROBE_MAX, PROBE_MIN, DraftLength
+from redline.kernels.paged_kv import BLOCK
+from redline.runner.one_slot import fill_slot
+from redline.train.random_init import write_random_draft
+
+
+def run_policy(policy: DraftLength, slots: list[int], accept, steps: int, step_time) -> list[int]:
+    """`steps` decisions; accept(slot, k) -> drafts accepted; step_time(k) -> seconds. Returns each k."""
+    for s in slots:
+        policy.admit(s)
+    chosen = []
+    for _ in range(steps):
+        k = policy.choose(len(slots), slots)
+        policy.observe(len(slots), k, step_time(k), {s: accept(s, k) for s in slots})
+        chosen.append(k)
+    return chosen
+
+
+def test_a_draft_never_accepted_stops_drafting_but_for_rarer_probes():
+    policy = DraftLength(3, adaptive=True)
+    chosen = run_policy(policy, [0], lambda s, k: 0, 2000, lambda k: 1.3 if k else 1.0)
+    assert chosen[:3] == [3, 3, 3]  # a new slot starts from the prior (1.0): it drafts at first
+    tail = chosen[1000:]
+    assert 0 < sum(k > 0 for k in tail) <= 2 * len(tail) // PROBE_MAX + 2  # probes only, each of 2 steps
+    assert policy.probe == PROBE_MAX and policy.prior < 0.5 and policy.cost(1) == pytest.approx(1.3)
+
+
+def test_a_draft_accepted_keeps_drafting():
+    policy = DraftLength(3, adaptive=True)
+    chosen = run_policy(policy, [0, 1], lambda s, k: 2 if k else 0, 600, lambda k: 1.3 if k else 1.0)
+    # three steps without drafts timed early, then one in 257
+    assert chosen.count(0) == 3 + (len(chosen) - 3 * (PROBE_MIN + 1)) // (PLAIN_PROBE + 1)
+
+
+def test_one_slot_that_accepts_carries_a_batch_that_does_not():
+    """gain = sum of the slots' estimates against (c - 1) n: one slot at 2 of 3 pays for four at 0 when
+    c = 1.2 (2 > 0.8), not for twenty (2 < 4)."""
+    for slots, drafting in ((5, True), (21, False)):
+        policy = DraftLength(3, adaptive=True)
+        accept = lambda s, k: 2 if k and s == 0 else 0
+        chosen = run_policy(policy, list(range(slots)), accept, 600, lambda k: 1.2 if k else 1.0)
+        assert (sum(k > 0 for k in chosen[300:]) > 250) == drafting
+
+
+def test_stale_drafts_are_not_counted():
+    """With an EAGLE-3 draft a step that drafts nothing leaves the bonus token pending: the first drafting
+    step after it says nothing about the draft, so the slot's estimate skips it."""
+    policy = DraftLength(3, adaptive=True)
+    policy.admit(0)
+    policy.observe(1, 0, 1.0, {0: 0})  # drafted nothing: slot 0's pending drafts are stale
+    policy.observe(1, 3, 1.3, {0: 0})  # verifies them: not counted
+    assert policy.rate[0] == 1.0
+    policy.observe(1, 3, 1.3, {0: 3})  # fresh: counted
+    assert policy.rate[0] > 1.0
+    ngram = DraftLength(3, adaptive=True, fresh_without_drafting=True)  # lookup still proposes
+    ngram.admit(0)
+    ngram.observe(1, 0, 1.0, {0: 0})
+    ngram.observe(1, 3, 1.3, {0: 0})
+    assert ngram.rate[0] < 1.0
+
+
+def test_a_batch_with_a_seeded_sampled_request_drafts():
+    """Its tokens must not depend on what the other slots accept or on timing."""
+    policy = DraftLength(3, adaptive=True)
+    run_policy(policy, [0], lambda s, k: 0, 100, lambda k: 1.3 if k else 1.0)
+    assert policy.choose(1, [0]) == 0 and policy.choose(1, [0], seeded=True) == 3
+
+
+def test_a_slow_step_without_drafts_is_timed_again():
+    """A step without drafts timed slow (a prefill's tail in it, say) makes drafting look free; a batch
+    that drafts 256 steps in a row takes one without, so the estimate recovers; one stray time among
+    several does not move it (medians)."""
+    policy = DraftLength(3, adaptive=True)
+    policy.admit(0)
+    policy.observe(1, 0, 2.0, {0: 0})
+    assert policy.cost(1) == DEFAULT_COST
+    policy.observe(1, 3, 1.3, {0: 0})
+    assert policy.cost(1) == 1.0  # 0.65 taken as 1
+    chosen = run_policy(policy, [0], lambda s, k: 1 if k else 0, 800, lambda k: 1.3 if k else 1.0)
+    assert chosen.count(0) >= 3 and policy.cost(1) == pytest.approx(1.3)
+    for seconds in (1.0, 1.0, 3.0):
+        policy.observe(1, 0, seconds, {0: 0})
+    assert policy.cost(1) == pytest.approx(1.3)
+
+
+def test_without_adaptive_every_step_drafts():
+    policy = DraftLength(3, adaptive=False)
+    assert set(run_policy(policy, [0], lambda s, k: 0, 50, lambda k: 1.0)) == {3}
+    assert DraftLength(3, adaptive=True).cost(4) == DEFAULT_COST and PROBE_MIN < PROBE_MAX
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, tokenizer_dir):
+    root = tmp_path_factory.mktemp("draft_length")
+    target = save_hf_model(build_hf_model(llama3_hf_config(num_hidden_layers=4)), root / "t", tokenizer_dir)
+    return target, write_random_draft(target, root / "d", draft_vocab=200)
+
+
+def draft_keys(runner, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slot 0's draft keys and values at positions [0, upto): [upto, kv_heads, head_dim] each."""
+    positions = torch.arange(upto)
+    blocks = runner.cache.table[0, positions // BLOCK].long()
+    k, v = runner.slots.draft_cache.layers[0]
+    return k[blocks, :, positions % BLOCK], v[blocks, :, positions % BLOCK]
+
+
+@torch.inference_mode()
+def test_steps_without_drafts_keep_the_draft_cache_whole(pair):
+    """The draft's keys and values after steps that verify K drafts and steps that verify none, mixed
+    at random, equal those of K-only steps at every position both runs have settled (the token after it
+    known), and so do the tokens: a step without drafts writes the draft's keys as a drafting one does."""
+    target, draft = pair
+    llm = LLM(target, dtype="float32", max_batch=1, max_seq_len=256, draft=draft, num_draft_tokens=3)
+    runner, prompt = llm.runner, torch.randint(5, 384, (40,)).tolist()
+    pattern = (torch.rand(60) < 0.5).tolist()
+    runs = []
+    for kinds in ([True] * 60, pattern):
+        fill_slot(runner, prompt, positions=256)
+        tokens = []
+        for drafting in kinds:
+            kv_len = runner.shapes.kv_len_for(int(runner.state.pos[0]))
+            out = runner.run_step(1, kv_len, False, 3 if drafting else 0)[0].tolist()
+            tokens += out[: out[-1] + 1]
+        settled = int(runner.state.pos[0])  # the row at pos - 1 knows its next token
+        runs.append((tokens, settled, [t.clone() for t in draft_keys(runner, settled)]))
+    (want, n_want, kv_want), (got, n_got, kv_got) = runs
+    n = min(len(want), len(got))
+    assert got[:n] == want[:n]
+    upto = min(n_want, n_got)
+    for a, b in zip(kv_want, kv_got, strict=True):
+        torch.testing.assert_close(b[:upto], a[:upto], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("drafting", ["eagle3", "ngram", "eagle3+ngram"])
+def test_greedy_output_is_plain_whichever_steps_draft(pair, drafting):
+    """Batch 1 and 4; the steps that draft nothing are forced at random."""
+    target, draft = pair
+    spec = {
+        "eagle3": dict(draft=draft),
+        "ngram": dict(speculative_method="ngram"),
+        "eagle3+ngram": dict(draft=draft, prompt_lookup_max=3),
+    }[drafting]
+    llm = LLM(target, dtype="float32", max_batch=4, num_draft_tokens=3, **spec)
+    plain = LLM(target, dtype="float32", max_batch=4)
+    llm.engine.scheduler.draft_length.choose = lambda rows, slots, seeded=False: 3 * int(torch.rand(()) < 0.5)
+    prompts = [torch.randint(5, 384, (n,)).tolist() * 2 for n in (13, 3, 22, 8)]
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    expected = plain.generate(prompts, params)
+    for batch in ([prompts[0]], prompts):
+        for prompt, got, want in zip(batch, llm.generate(batch, params), expected, strict=False):
+            assert greedy_divergence_is_a_near_tie(plain.model, prompt, got.token_ids, want.token_ids)
+            assert 0 < got.draft_steps < got.decode_steps
