@@ -46,8 +46,9 @@ def gate(monkeypatch):
 
 
 def options(draft) -> dict:
+    # every step drafting: one kind of step to compile (test_compile covers steps that draft nothing)
     return dict(dtype="float32", max_num_seqs=1, max_model_len=CONTEXT, draft=draft, num_speculative_tokens=2,
-                progress=False)  # fmt: skip
+                adaptive_draft_length=False, progress=False)  # fmt: skip
 
 
 def test_a_request_started_eagerly_finishes_on_the_compiled_runner(pair, gate):

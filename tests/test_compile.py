@@ -107,7 +107,14 @@ def test_compiled_llama4_runs_past_4096_tokens_without_compiling(tmp_path, token
     draft_dir = write_random_draft(target_dir, tmp_path / "d", draft_vocab=200)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()  # unique_graphs counts from here
-    kw = dict(dtype="float32", max_batch=1, max_seq_len=4200, draft=draft_dir, num_draft_tokens=3)
+    kw = dict(
+        dtype="float32",
+        max_batch=1,
+        max_seq_len=4200,
+        draft=draft_dir,
+        num_draft_tokens=3,
+        adaptive_draft_length=False,
+    )  # every step drafting: the graphs this test counts
     llm = LLM(target_dir, compile=True, progress=False, **kw)
     graphs_after_warm_up = unique_graphs()
     prompt = torch.randint(5, 384, (4080,)).tolist()
