@@ -219,8 +219,10 @@ def test_smollm2_after_a_2000_token_prompt_speculates_the_plain_tokens(tmp_path)
     """The real model (30 layers, 9 query heads over 3, head_dim 64, vocabulary 49,152) in bf16 through the
     kernels, eager: after prompts of 2,000 and 1,200 tokens, greedy EAGLE-3 at K = 3 gives the plain
     tokens alone (4-row verify steps) and with both requests at once (8 rows), its queries attending over
-    more than a thousand cached positions. A random draft: its tokens are rarely accepted, so every step
-    verifies all 4 rows."""
+    more than a thousand cached positions. A random draft: its tokens are rarely accepted, and every step
+    drafts (adaptive draft length off), so every step verifies all 4 rows. Then n-gram lookup over a 2,000-
+    token prompt that says its first 1,000 tokens twice: matches found across the whole history, the
+    same tokens again."""
     target = gguf_model_dir(smollm2_gguf(), torch.bfloat16, progress=False)
     draft = write_random_draft(target, tmp_path / "draft", draft_vocab=2048)
     g = torch.Generator().manual_seed(3)
@@ -231,9 +233,14 @@ def test_smollm2_after_a_2000_token_prompt_speculates_the_plain_tokens(tmp_path)
     assert "decode_attention_bf16" in repr(plain.model) and "few_rows_bf16" in repr(plain.model)
     assert all(layer.one_call is cpu_ops.dense_layer_bf16 for layer in plain.model.model.layers)
     want = [c.token_ids for c in plain.generate(prompts, params)]
-    spec = LLM(target, draft=draft, num_draft_tokens=3, **kw)
+    spec = LLM(target, draft=draft, num_draft_tokens=3, adaptive_draft_length=False, **kw)
     assert [spec.generate([p], params)[0].token_ids for p in prompts] == want
     assert [c.token_ids for c in spec.generate(prompts, params)] == want
+    repeated = [prompts[0][:1000] * 2, prompts[1]]
+    want = [c.token_ids for c in plain.generate(repeated, params)]
+    lookup = LLM(target, speculative_method="ngram", num_draft_tokens=3, adaptive_draft_length=False, **kw)
+    got = lookup.generate(repeated, params)
+    assert [c.token_ids for c in got] == want
 
 
 @pytest.mark.parametrize("slots, k", [(1, 4), (2, 4), (4, 2)])

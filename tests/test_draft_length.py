@@ -96,7 +96,7 @@ def test_a_slow_step_without_drafts_is_timed_again():
 def test_without_adaptive_every_step_drafts():
     policy = DraftLength(3, adaptive=False)
     assert set(run_policy(policy, [0], lambda s, k: 0, 50, lambda k: 1.0)) == {3}
-    assert DraftLength(3, adaptive=True).cost(4) == DEFAULT_COST and PROBE_MIN < PROBE_MAX
+    assert DraftLength(3, adaptive=True).cost(4) == DEFAULT_COST  # no step timed yet
 
 
 @pytest.fixture(scope="module")

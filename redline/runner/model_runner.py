@@ -180,7 +180,8 @@ class ModelRunner:
         try:
             results = self._read_prefill(plan, prefilled)
             decoded = None if plan.decode is None else self._read_decode(plan.decode, launched)
-            decoded = self._timed_alone(plan, decoded)
+            if decoded is not None and plan.prefill is not None:  # queued prefill work would be in its time
+                decoded.seconds = None
         except Exception as error:
             raise StageError("read") from error
         return StepResult(results, decoded)
@@ -216,12 +217,6 @@ class ModelRunner:
             chosen[slot] = logprobs.unpack(packed, tokens[slot][: accepted[slot] + 1], top)
         k = self.shapes.k if batch.k is None else batch.k
         return DecodeResult(tokens, accepted, chosen, k, seconds, id(self))
-
-    def _timed_alone(self, plan: StepPlan, result: DecodeResult | None) -> DecodeResult | None:
-        """The step's time counts only when no prefill shared its plan (queued work would be in it)."""
-        if result is not None and plan.prefill is not None:
-            result.seconds = None
-        return result
 
     @torch.inference_mode()
     def log_probs(self, tokens: list[int]) -> torch.Tensor:  # [T - 1, V] fp32, on the CPU
