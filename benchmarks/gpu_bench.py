@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from redline.config import ModelConfig
+from redline.draft_tree import TreeShape
 from redline.kernels import HAS_TRITON
 from redline.kernels.attention_core import sdpa_attention
 from redline.kernels.paged_kv import BLOCK
@@ -197,7 +198,9 @@ def main() -> None:
         record("bf16 plain cuda-graph", plain, True, bf16_bytes)
     spec = ModelRunner(model, Shapes(1, max_len, 3), draft)
     record("bf16 eagle3 K=3 step", spec, graphs, bf16_bytes)
-    del plain, spec
+    tree = ModelRunner(model, Shapes(1, max_len, 3, tree=TreeShape(topk=4, steps=3, nodes=8)), draft)
+    record("bf16 eagle3 tree 4x8 step", tree, graphs, bf16_bytes)  # one CUDA graph, the 8 rows' mask inside
+    del plain, spec, tree
     prefill_attention = prefill_attention_bench(config, device)
     long_prefill = long_prefill_bench(model, device)
     del model, draft
@@ -217,6 +220,8 @@ def main() -> None:
         "bf16_weight_gb": bf16_bytes / 1e9,
         "fp8_weight_gb": fp8_bytes / 1e9,
         "k3_step_over_plain_step": by_name["bf16 eagle3 K=3 step"]
+        / by_name["bf16 plain" + (" cuda-graph" if graphs else " eager")],
+        "tree_step_over_plain_step": by_name["bf16 eagle3 tree 4x8 step"]  # issue 27's target: <= 1.3
         / by_name["bf16 plain" + (" cuda-graph" if graphs else " eager")],
         "pdl_over_no_pdl": (
             by_name["bf16 plain cuda-graph pdl"] / by_name["bf16 plain cuda-graph"]

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from redline.draft_tree import TreeShape, tree_of
 from redline.dtypes import DTYPES, dtype_name, fast_dtype, parse_dtype
 
 MODES = ("min-latency", "max-throughput")
@@ -222,7 +223,13 @@ class SpeculativeConfig:
     model: str | None = option(
         None, "EAGLE-3 draft directory or hub id (speculative decoding)", "speculative_model", flat="draft"
     )
-    num_speculative_tokens: int = option(3, "draft length K (1..8)", "num_draft_tokens", metavar="K")
+    num_speculative_tokens: int = option(3, "draft length K (1..8); a tree's depth", "num_draft_tokens",
+                                         "speculative_num_steps", metavar="K")  # fmt: skip
+    topk: int = option(
+        1, "EAGLE-3 draft trees: children per expanded node (1: a chain)", flat="speculative_eagle_topk"
+    )
+    num_draft_tokens: int | None = option(None, "EAGLE-3 draft trees: rows verified, the root included "
+                                          "(default 2K)", flat="speculative_num_draft_tokens")  # fmt: skip
     prompt_lookup_min: int | None = option(
         None, f"n-gram lookup: the shortest suffix matched (default {NGRAM_MIN}; either alone sets both)",
         metavar="N",
@@ -238,6 +245,7 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         _check_types(self)
+        self.tree  # noqa: B018 (draft_tree.tree_of checks the tree's options)
         _require(self.method in METHODS, f'unknown speculative method {self.method!r}; choose "eagle3" or '
                  '"ngram"')  # fmt: skip
         k = self.num_speculative_tokens
@@ -258,6 +266,12 @@ class SpeculativeConfig:
                      "beside")  # fmt: skip
             _require(high is not None, "prompt_lookup_min beside an EAGLE-3 draft needs prompt_lookup_max "
                      '(or method "ngram")')  # fmt: skip
+
+    @property
+    def tree(self) -> TreeShape | None:
+        """The draft tree's shape where topk > 1: depth K, num_draft_tokens rows (default 2K)."""
+        alone = self.method == "eagle3" and self.prompt_lookup_max is None
+        return tree_of(self.topk, self.num_speculative_tokens, self.num_draft_tokens, alone)
 
     @property
     def lookup(self) -> tuple[int, int] | None:

@@ -129,7 +129,9 @@ def greedy_divergence_is_a_near_tie(model, prompt: list[int], a: list[int], b: l
             with torch.no_grad():
                 hidden, _ = model(seq, torch.arange(seq.shape[1])[None])
                 top2 = model.logits(hidden)[0, -1].topk(2).values
-            return (top2[0] - top2[1]).item() < atol
+            gap = (top2[0] - top2[1]).item()
+            print(f"greedy tokens first differ at {i} ({x} vs {y}), top-2 logit gap {gap:.3g}")
+            return gap < atol
     return len(a) == len(b)
 
 

@@ -126,6 +126,26 @@ def test_decode_attention_equals_the_reference(b, t, hq, hkv, d, kv_len, chunk):
     torch.testing.assert_close(got.double(), want, atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("b, t, kv_len", [(1, 8, 300), (3, 5, 37), (2, 9, 4096)])
+def test_decode_attention_over_a_token_tree_equals_the_reference(b, t, kv_len):
+    """A token tree's rows (speculative/tree.py): each sees the keys before its base and its ancestors'
+    slots (random trees), as attention_core.tree_visible says; the positions are not read."""
+    from test_tree import random_parents
+
+    from redline.speculative.tree import structure
+
+    q, k_cache, v_cache, positions, tables = paged_case(b, t, 9, 3, 64, kv_len)
+    base = torch.randint(0, 40, (b,))  # few keys before the tree: its mask weighs in the output
+    _, bits = structure(random_parents(b, t, 4), 4)
+    got = cpu_ops.decode_attention_bf16(q, k_cache, v_cache, positions * 0, tables, kv_len, 0, base, bits)
+    want = decode_attention_reference(q.double(), k_cache.double(), v_cache.double(), positions, tables,
+                                      kv_len, 0, base, bits)  # fmt: skip
+    torch.testing.assert_close(got.double(), want, atol=1e-2, rtol=1e-2)
+    causal = decode_attention_reference(q.double(), k_cache.double(), v_cache.double(),
+                                        base[:, None] + torch.arange(t), tables, kv_len)  # fmt: skip
+    assert not torch.allclose(want, causal, atol=1e-2), "the tree's mask must matter here"
+
+
 def test_decode_attention_of_a_query_is_the_same_whatever_comes_with_it():
     """Alone or with other rows and tokens, and at a larger kv_len (a plain step and a verify step can be
     in different kv buckets): the same bits."""
@@ -220,7 +240,8 @@ def test_smollm2_after_a_2000_token_prompt_speculates_the_plain_tokens(tmp_path)
     kernels, eager: after prompts of 2,000 and 1,200 tokens, greedy EAGLE-3 at K = 3 gives the plain
     tokens alone (4-row verify steps) and with both requests at once (8 rows), its queries attending over
     more than a thousand cached positions. A random draft: its tokens are rarely accepted, and every step
-    drafts (adaptive draft length off), so every step verifies all 4 rows. Then n-gram lookup over a 2,000-
+    drafts (adaptive draft length off), so every step verifies all 4 rows. A draft tree (topk 4, 8 rows)
+    through the one-call layer under its mask gives them too. Then n-gram lookup over a 2,000-
     token prompt that says its first 1,000 tokens twice: matches found across the whole history, the
     same tokens again."""
     target = gguf_model_dir(smollm2_gguf(), torch.bfloat16, progress=False)
@@ -236,6 +257,9 @@ def test_smollm2_after_a_2000_token_prompt_speculates_the_plain_tokens(tmp_path)
     spec = LLM(target, draft=draft, num_draft_tokens=3, adaptive_draft_length=False, **kw)
     assert [spec.generate([p], params)[0].token_ids for p in prompts] == want
     assert [c.token_ids for c in spec.generate(prompts, params)] == want
+    tree = LLM(target, draft=draft, num_draft_tokens=3, speculative_eagle_topk=4,
+               speculative_num_draft_tokens=8, **kw)  # fmt: skip
+    assert [c.token_ids for c in tree.generate(prompts, params)] == want  # 2 x 8 rows through the kernels
     repeated = [prompts[0][:1000] * 2, prompts[1]]
     want = [c.token_ids for c in plain.generate(repeated, params)]
     lookup = LLM(target, speculative_method="ngram", num_draft_tokens=3, adaptive_draft_length=False, **kw)
@@ -255,6 +279,22 @@ def test_greedy_speculation_equals_plain_bit_for_bit_with_the_kernels(trained, s
     spec = LLM(trained / "target", draft=trained / "draft", num_draft_tokens=k, **kw)
     want = [c.token_ids for c in plain.generate(prompts, params)]
     got = spec.generate(prompts, params)
+    assert [c.token_ids for c in got] == want
+    assert sum(c.acceptance_length for c in got) / len(got) > 1.2  # the accepting path ran
+
+
+@pytest.mark.parametrize(("slots", "k", "topk", "nodes"), [(1, 3, 4, 8), (2, 2, 2, 5), (4, 4, 2, 9)])
+def test_greedy_tree_speculation_equals_plain_bit_for_bit_with_the_kernels(trained, slots, k, topk, nodes):
+    """bf16 with the C++ kernels (eager): a draft tree's rows, each row's arithmetic that of a plain step at
+    its position (its keys the same, in the same order), and the tokens equal plain ones exactly."""
+    prompts = [torch.randint(5, 300, (n,)).tolist() for n in (9, 17, 4, 30)][:slots]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    kw = dict(dtype="bfloat16", max_batch=slots, max_seq_len=128, compile=False, progress=False)
+    plain = LLM(trained / "target", **kw)
+    tree = LLM(trained / "target", draft=trained / "draft", num_draft_tokens=k, speculative_eagle_topk=topk,
+               speculative_num_draft_tokens=nodes, **kw)  # fmt: skip
+    want = [c.token_ids for c in plain.generate(prompts, params)]
+    got = tree.generate(prompts, params)
     assert [c.token_ids for c in got] == want
     assert sum(c.acceptance_length for c in got) / len(got) > 1.2  # the accepting path ran
 

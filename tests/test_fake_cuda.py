@@ -37,6 +37,7 @@ from fake_cuda import (
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from redline.config import ModelConfig
+from redline.draft_tree import TreeShape
 from redline.layers.backends import Backends
 from redline.logprobs import width
 from redline.models.eagle3 import Eagle3Draft, default_aux_layers, draft_config_for
@@ -130,9 +131,11 @@ def fake_model(raw: dict, draft: bool, dtype: torch.dtype = torch.bfloat16, pdl:
     return model, head
 
 
-def fake_runner(model, draft, k: int, max_len: int, kv_dtype: torch.dtype | None = None) -> ModelRunner:
-    return ModelRunner(model, Shapes(4, max_len, k), draft, cuda_graphs=False, kv_cache_dtype=kv_dtype,
-                       kv_cache_memory=KV_MEMORY)  # fmt: skip
+def fake_runner(
+    model, draft, k: int, max_len: int, kv_dtype: torch.dtype | None = None, tree: TreeShape | None = None
+) -> ModelRunner:
+    return ModelRunner(model, Shapes(4, max_len, k, tree=tree), draft, cuda_graphs=False,
+                       kv_cache_dtype=kv_dtype, kv_cache_memory=KV_MEMORY)  # fmt: skip
 
 
 def serve(runner: ModelRunner, prefill_log: OpLog, step_log: OpLog) -> list[torch.Tensor]:
@@ -190,6 +193,22 @@ def test_prefill_and_steps_on_fake_cuda(fake_cuda, family, k):
     assert expected <= ops, f"kernels not reached: {expected - ops}"
     assert "aten::scaled_dot_product_attention" not in ops  # cached attention stays in the kernels
     assert "redline::prefill_attention" not in step_log.ops  # a step's K + 1 queries take the split-KV kernel
+    assert_on_device(prefill_log, step_log)
+
+
+@in_child
+def test_a_draft_tree_on_fake_cuda(fake_cuda):
+    """A draft tree (topk 4, 8 rows): its steps run on the device with the split-KV kernel under the
+    tree's mask (8 rows: no prefill kernel), nothing on the host, the chain's output layout."""
+    model, draft = fake_model(LLAMA3, draft=True)
+    runner = fake_runner(model, draft, 3, PROMPT + 64, tree=TreeShape(topk=4, steps=3, nodes=8))
+    prefill_log, step_log = OpLog(), OpLog()
+    *_, step1_greedy, step1_sampling, step4_greedy, step4_sampling = serve(runner, prefill_log, step_log)
+    logprobs = 4 * width(model.config.vocab_size)
+    for out, rows, extra in [(step1_greedy, 1, 0), (step1_sampling, 1, logprobs), (step4_greedy, 4, 0),
+                             (step4_sampling, 4, logprobs)]:  # fmt: skip
+        assert out.shape == (rows, 3 + 2 + extra) and out.device == CUDA
+    assert "redline::decode_attention" in step_log.ops and "redline::prefill_attention" not in step_log.ops
     assert_on_device(prefill_log, step_log)
 
 

@@ -34,6 +34,11 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
     )
     summary = json.loads((tmp_path / "gpu_bench.json").read_text())
     names = [r["name"] for r in summary["results"]]
-    assert names == ["bf16 plain eager", "bf16 eagle3 K=3 step", "fp8 plain eager"]
+    assert names == [
+        "bf16 plain eager",
+        "bf16 eagle3 K=3 step",
+        "bf16 eagle3 tree 4x8 step",
+        "fp8 plain eager",
+    ]
     assert summary["fp8_weight_gb"] < summary["bf16_weight_gb"]
-    assert all(r["ms_per_step"] > 0 for r in summary["results"])
+    assert all(r["ms_per_step"] > 0 for r in summary["results"]) and summary["tree_step_over_plain_step"] > 0

@@ -121,6 +121,32 @@ def test_decode_attention(b, t, hq, hkv, kv_len, chunk, splits, dtype, cache_dty
     torch.testing.assert_close(got, expected, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_over_a_token_tree(dtype):
+    """A decode step's token tree (speculative/tree.py): 8 rows at slots base .. base + 7, each seeing
+    every key before its base and its ancestors' slots (random trees, per row of the batch), against the
+    reference under attention_core.tree_visible; GQA 2 over 3 splits."""
+    from test_tree import random_parents
+
+    from redline.speculative.tree import structure
+
+    b, t, hq, hkv, d, kv_len = 3, 8, 4, 2, 16, 96
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(b, t, hq, d, generator=gen).to(DEVICE, dtype)
+    k_cache, v_cache, tables = paged(*torch.randn(2, b, hkv, kv_len + 8, d, generator=gen).unbind(0), gen)
+    k_cache, v_cache, tables = k_cache.to(DEVICE, dtype), v_cache.to(DEVICE, dtype), tables.to(DEVICE)
+    base = torch.randint(0, kv_len - t, (b,), generator=gen).to(DEVICE)
+    _, bits = structure(random_parents(b, t, 4), 4)
+    positions = base[:, None] + torch.arange(t, device=DEVICE)  # unread with a tree
+    got = decode_attention(q, k_cache, v_cache, positions, tables, kv_len, 0, base, bits.to(DEVICE),
+                           num_splits=3)  # fmt: skip
+    expected = decode_attention_reference(q, k_cache, v_cache, positions, tables, kv_len, 0, base,
+                                          bits.to(DEVICE))  # fmt: skip
+    torch.testing.assert_close(got, expected, atol=TOL[dtype], rtol=TOL[dtype])
+    causal = decode_attention_reference(q, k_cache, v_cache, positions, tables, kv_len)
+    assert not torch.allclose(expected, causal, atol=TOL[dtype]), "the tree's mask must differ from causal"
+
+
 def _prefill_inputs(b, t, hq, hkv, kv_len, d, dtype, cache_dtype, seed):
     """Random q and block caches for b rows (their blocks in random order among spare ones); row i's t
     queries sit at consecutive positions starting at a random offset (0: a fresh prompt, > 0: a prompt

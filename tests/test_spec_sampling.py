@@ -55,8 +55,9 @@ def tiny_vocab_pair(tmp_path_factory):
 
 def exact_marginals(
     model, temperature: float, top_p: float, min_p: float, penalties: dict[str, float] | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """P(x2) and P(x3) under plain sampling from the filtered (and penalized) target distribution."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """P(x2) [V], P(x3) [V] and P(x2, x3) [V, V] under plain sampling from the filtered (and penalized)
+    target distribution."""
 
     def next_probs(prefixes: torch.Tensor) -> torch.Tensor:  # [N, T] -> [N, V]
         n = prefixes.shape[0]
@@ -82,8 +83,8 @@ def exact_marginals(
     p2_given_1 = next_probs(pre2)  # [V, V]
     joint12 = p1[:, None] * p2_given_1
     pre3 = torch.cat((pre2.repeat_interleave(VOCAB, 0), ids.repeat(VOCAB)[:, None]), dim=1)  # [V*V, 5]
-    p3 = (joint12.reshape(-1, 1) * next_probs(pre3)).sum(0)
-    return joint12.sum(0), p3
+    joint123 = (joint12.reshape(-1, 1) * next_probs(pre3)).reshape(VOCAB, VOCAB, VOCAB)
+    return joint12.sum(0), joint123.sum((0, 1)), joint123.sum(0)
 
 
 def chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
@@ -108,6 +109,8 @@ def chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
         (0.8, 0.0, None, "ngram"),
         (1.0, 0.0, PENALTIES, "eagle3+ngram"),
         (1.0, 0.0, PENALTIES, "eagle3, every third step drafting nothing"),
+        (1.0, 0.0, None, "tree"),
+        (0.8, 0.0, PENALTIES, "tree"),
     ],
 )
 def test_sampled_tokens_follow_the_target_distribution(tiny_vocab_pair, top_p, min_p, penalties, drafting):
@@ -115,12 +118,15 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_vocab_pair, top_p, m
     n-gram proposal is deterministic (q a one-hot on it); beside the draft, rows with a 1-gram match take
     it and the others the draft's sampled proposals, so both kinds of q meet in one batch. Steps that draft
     nothing (adaptive draft length, forced here every third step) leave the bonus token pending as a
-    deterministic proposal, which the next drafting step verifies."""
+    deterministic proposal, which the next drafting step verifies. A draft tree's nodes are the draft's top
+    tokens, tried in turn at each level (multi-draft rejection sampling: tree_verify.py), each row
+    penalized for the nodes above it."""
     target_dir, draft_dir = tiny_vocab_pair
     spec = {
         "eagle3": dict(draft=draft_dir),
         "ngram": dict(speculative_method="ngram", prompt_lookup_min=1, prompt_lookup_max=2),
         "eagle3+ngram": dict(draft=draft_dir, prompt_lookup_min=1, prompt_lookup_max=1),
+        "tree": dict(draft=draft_dir, speculative_eagle_topk=3, speculative_num_draft_tokens=10),
     }.get(drafting, dict(draft=draft_dir))
     alternate = drafting.startswith("eagle3,")
     llm = LLM(target_dir, dtype="float32", max_batch=32, num_draft_tokens=2, adaptive_draft_length=alternate,
@@ -149,9 +155,12 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_vocab_pair, top_p, m
     rates = torch.tensor([c.acceptance_rates[0] for c in completions if c.acceptance_rates is not None])
     floor = 0.01 if drafting == "ngram" else 0.05  # n-gram: 1-grams of a 3-token prompt, seldom accepted
     assert floor < rates.mean() < 0.95, "both the accept and the reject path must be exercised"
-    p2, p3 = exact_marginals(llm.model, temperature, top_p, min_p, penalties)
+    p2, p3, p23 = exact_marginals(llm.model, temperature, top_p, min_p, penalties)
     for position, probs in ((1, p2), (2, p3)):
         counts = torch.bincount(tokens[:, position], minlength=VOCAB)
         assert counts[probs == 0].sum() == 0, "a token outside the top-p / min-p set was emitted"
         stat, df = chi2(counts, probs)
         assert stat < chi2_critical(df), f"token {position + 1}: chi2 {stat:.1f} (df {df})"
+    # the pair: a third token verified at the wrong penalty for the second shows here, not in the marginals
+    stat, df = chi2(torch.bincount(tokens[:, 1] * VOCAB + tokens[:, 2], minlength=VOCAB**2), p23.flatten())
+    assert stat < chi2_critical(df), f"tokens 2 and 3 together: chi2 {stat:.1f} (df {df})"

@@ -296,3 +296,32 @@ def test_train_target_is_deterministic_for_a_seed(tmp_path):
     assert (tmp_path / "c" / "model.safetensors").read_bytes() != (
         tmp_path / "a" / "model.safetensors"
     ).read_bytes()
+
+
+def test_a_draft_started_from_its_target_computes_the_targets_last_layer():
+    """init "target" (train/draft_init.py): with its embedding half silenced, the draft's layer over a
+    hidden state is the target's last decoder layer over it, and fc hands it the highest aux state."""
+    from redline.layers.attention import AttentionBatch
+    from redline.train.draft_init import init_from_target
+
+    config = ModelConfig.from_dict(llama3_config(256, num_hidden_layers=4))
+    target = LlamaForCausalLM(config, aux_layers=default_aux_layers(4))
+    for p in target.parameters():
+        torch.nn.init.normal_(p, 0.0, 0.1)
+    draft = Eagle3Draft(draft_config_for(config, 128), target_embedding=target.model.embed_tokens)
+    init_from_target(draft, target)
+    h, tokens = config.hidden_size, torch.randint(0, 256, (1, 12))
+    positions = torch.arange(12)[None]
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj"):
+            getattr(draft.midlayer.self_attn, name).weight[:, :h] = 0
+        hidden = torch.randn(1, 12, h)
+        batch = AttentionBatch.build(config, target.model.rotary, positions, positions, None)
+        want = target.model.layers[-1](hidden, batch, None)
+        draft_batch = AttentionBatch.build(draft.config.layer, draft.rotary, positions, positions, None)
+        got = draft.midlayer(draft.embed(tokens), hidden, draft_batch, None)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        aux = torch.randn(1, 12, 3 * h)
+        torch.testing.assert_close(draft.fuse(aux), aux[..., 2 * h :])
+    with pytest.raises(ValueError, match="intermediate size"):
+        init_from_target(Eagle3Draft(draft_config_for(config, 128, 96)), target)

@@ -133,7 +133,7 @@ def test_a_speculative_config_redline_cannot_honour_is_refused():
         ("[1]", "must be a JSON object"),
         ('{"method": "eagle3"}', 'needs "model"'),
         ('{"model": "d", "num_speculative_tokens": "3"}', "num_speculative_tokens must be int, got '3'"),
-        ('{"model": "d", "topk": 4}', "unknown keys"),
+        ('{"model": "d", "draft_tensor_parallel_size": 2}', "unknown keys"),
     ]:
         with pytest.raises(ValueError, match=message):
             SpeculativeConfig.from_json(text)

@@ -1,6 +1,7 @@
 """`redline bench`: HF generate, redline plain decode and redline + EAGLE-3 for each K, in one process, on
 the same weights, prompts, dtype and thread count; batch 1, greedy, fixed-length completions. With
-`ngram`, n-gram lookup rows too: redline+ngram for each K, and beside a draft redline+eagle3+ngram.
+`ngram`, n-gram lookup rows too: redline+ngram for each K, and beside a draft redline+eagle3+ngram; with
+`tree`, the draft as a tree of depth K too (redline+eagle3 tree TOPKxNODES).
 
 Prompts: windows of `prompt_len` tokens cut from the stdlib held-out files, or with `data` the first
 whole prompts of a held-out set (HumanEval raw; ShareGPT's first user turn in the chat template).
@@ -36,6 +37,7 @@ from redline.engine.llm import LLM
 from redline.engine.request import Completion
 from redline.runner.one_slot import fill_slot, release_slot
 from redline.sampling import SamplingParams
+from redline.speculative.tree import tree_mask
 from redline.tokenizer import Tokenizer
 from redline.train.draft import held_out_prompts, run_acceptance_length
 
@@ -54,6 +56,7 @@ class BenchSettings:
     tensor_parallel_size: int = 1  # redline over N processes (the roofline stays the whole model's bytes)
     expert_parallel: bool = False
     ngram: tuple[int, int] | None = None  # n-gram lookup rows: prompt_lookup_min, prompt_lookup_max
+    tree: tuple[int, int] | None = None  # draft tree rows beside the chain's: topk, num_draft_tokens
 
 
 def _summary(engine: str, k: int | None, rates: list[float], ttfts: list[float], warmup_s: float) -> dict:
@@ -77,8 +80,20 @@ def bench_llama_cpp(path: Path, prompts: list[list[int]], s: BenchSettings) -> t
     return result, r["outputs"]
 
 
-def speculation_of(draft: Path | None, lookup: tuple[int, int] | None) -> tuple[str, dict]:
-    """A row's engine name and its LLM options: the draft, n-gram lookup, or both."""
+def tree_at(k: int, tree: tuple[int, int]) -> tuple[int, int]:
+    """(topk, nodes) for a tree of depth k: nodes at most what k levels draft (4, 8 at K = 1 -> 4, 5)."""
+    topk, nodes = tree
+    return topk, min(nodes, 1 + topk + (k - 1) * topk * topk)
+
+
+def speculation_of(
+    draft: Path | None, lookup: tuple[int, int] | None, tree: tuple[int, int] | None = None
+) -> tuple[str, dict]:
+    """A row's engine name and its LLM options: the draft (as a chain or a tree), n-gram lookup, or both."""
+    if tree is not None:
+        topk, nodes = tree
+        options = {"draft": draft, "speculative_eagle_topk": topk, "speculative_num_draft_tokens": nodes}
+        return f"redline+eagle3 tree {topk}x{nodes}", options
     if lookup is None:
         return ("redline+eagle3", {"draft": draft}) if draft else ("redline", {})
     ngram = {"prompt_lookup_min": lookup[0], "prompt_lookup_max": lookup[1]}
@@ -95,8 +110,9 @@ def bench_redline(
     s: BenchSettings,
     compiled: bool,
     lookup: tuple[int, int] | None = None,  # n-gram lookup (min, max)
+    tree: tuple[int, int] | None = None,  # a draft tree: topk, num_draft_tokens
 ) -> tuple[dict, list[list[int]]]:
-    engine, speculation = speculation_of(draft, lookup) if k else ("redline", {})
+    engine, speculation = speculation_of(draft, lookup, tree) if k else ("redline", {})
     llm = LLM(
         model_dir, dtype=s.dtype, max_num_seqs=1, max_model_len=max(map(len, prompts)) + s.max_tokens + 16,
         num_speculative_tokens=k or 3, compile=compiled, **speculation,
@@ -132,13 +148,17 @@ def bench_redline(
 
 @torch.inference_mode()
 def draft_share(llm: LLM, prompt: list[int], steps: int = 10) -> float:
-    """The share of an eager decode step not spent in the target's forward over its K + 1 tokens (the draft's
-    proposals plus verification): 1 - (target forward) / (whole step), both at the same KV bucket, on the
-    runner of an idle engine: the prompt prefilled into slot 0 over the pool's first blocks."""
+    """The share of an eager decode step not spent in the target's forward over its K + 1 tokens, or its
+    tree's N (the draft's proposals plus verification): 1 - (target forward) / (whole step), both at the
+    same KV bucket, on the runner of an idle engine: the prompt prefilled into slot 0 over the pool's
+    first blocks."""
     runner, shapes = llm.runner, llm.runner.shapes
     fill_slot(runner, prompt, positions=len(prompt) + shapes.lookahead)
     kv_len = shapes.kv_len_for(len(prompt) + 1)
-    positions = runner.state.pos[:1, None] + torch.arange(shapes.k + 1)
+    state = runner.state
+    positions, tree = state.pos[:1, None] + torch.arange(state.pending.shape[1]), None
+    if shapes.tree is not None and state.parents is not None:
+        positions, tree = tree_mask(state.parents[:1], state.pos[:1], shapes.tree.steps)
 
     def timed(fn) -> float:
         fn()
@@ -149,15 +169,16 @@ def draft_share(llm: LLM, prompt: list[int], steps: int = 10) -> float:
 
     def target_only() -> None:
         tables = runner.cache.tables(0, 1)
-        hidden, _ = runner.model(runner.state.pending[:1], positions, runner.cache.layers, tables, kv_len)
+        hidden, _ = runner.model(state.pending[:1], positions, runner.cache.layers, tables, kv_len, tree)
         runner.model.logits(hidden)
 
-    # the step advances the slot, so give it its own copy of the state each time
-    pending, pos = runner.state.pending.clone(), runner.state.pos.clone()
+    # the step advances the slot (and redrafts its tree), so give it its own copy of the state each time
+    stepped = [t for t in (state.pending, state.pos, state.parents) if t is not None]
+    kept = [t.clone() for t in stepped]
 
     def whole_step() -> None:
-        runner.state.pending.copy_(pending)
-        runner.state.pos.copy_(pos)
+        for t, copy in zip(stepped, kept, strict=True):
+            t.copy_(copy)
         runner.step(1, kv_len, False)
 
     share = 1.0 - timed(target_only) / timed(whole_step)
@@ -198,14 +219,16 @@ def run_bench(model_dir: Path, draft: Path | None, ks: list[int], s: BenchSettin
             print(f"[redline] {e}", file=sys.stderr)
             failures.append(str(e))
     reference = None
-    rows: list[tuple[int, Path | None, tuple[int, int] | None]] = [(0, None, None)]  # (K, draft, lookup)
+    Row = tuple[int, Path | None, tuple[int, int] | None, tuple[int, int] | None]  # K, draft, lookup, tree
+    rows: list[Row] = [(0, None, None, None)]
     for k in ks:
-        rows += [(k, draft, None)] if draft else []
-        rows += [(k, None, s.ngram)] if s.ngram else []
-        rows += [(k, draft, s.ngram)] if draft and s.ngram else []
+        rows += [(k, draft, None, None)] if draft else []
+        rows += [(k, draft, None, tree_at(k, s.tree))] if draft and s.tree else []
+        rows += [(k, None, s.ngram, None)] if s.ngram else []
+        rows += [(k, draft, s.ngram, None)] if draft and s.ngram else []
     for compiled in s.modes:
-        for k, row_draft, lookup in rows:
-            measured.append(bench_redline(model_dir, row_draft, k, prompts, s, compiled, lookup))
+        for k, row_draft, lookup, tree in rows:
+            measured.append(bench_redline(model_dir, row_draft, k, prompts, s, compiled, lookup, tree))
             reference = reference or measured[-1][1]  # the first redline plain run
     bound = roofline(model_dir, s.dtype)
     runs = [run for run, _ in measured]

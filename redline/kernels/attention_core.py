@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from redline.draft_tree import TREE_SLOTS
 from redline.kernels.paged_kv import gather_blocks
 
 STEP_QUERIES = 9  # a decode step's queries: K + 1, K <= 8 draft tokens; more is a prompt
@@ -66,6 +67,18 @@ def step_mask(positions: torch.Tensor, kv_len: int, chunk: int = 0) -> torch.Ten
     return mask
 
 
+def tree_visible(
+    key_positions: torch.Tensor,  # [B or 1, 1, 1, S]
+    base: torch.Tensor,  # [B] the tree's first slot
+    bits: torch.Tensor,  # [B, T] int64: bit j set -> the row sees slot base + j
+) -> torch.Tensor:  # [B, 1, T, S] bool
+    """A token tree's mask (speculative/tree.py): every key before the base, then the row's ancestors'
+    slots. Base 40, bits 0b101: keys 0..39, 40 and 42."""
+    past_base = key_positions - base[:, None, None, None]
+    bit = (bits[:, None, :, None] >> past_base.clamp(0, TREE_SLOTS - 1)) & 1
+    return (past_base < 0) | ((past_base < TREE_SLOTS) & (bit == 1))
+
+
 def decode_attention_reference(
     q: torch.Tensor,  # [B, T, Hq, D]
     k_cache: torch.Tensor,  # [blocks, Hkv, BLOCK, D]
@@ -74,9 +87,14 @@ def decode_attention_reference(
     tables: torch.Tensor,  # [B, blocks per sequence] int32 (kernels/paged_kv.py)
     kv_len: int,
     chunk: int = 0,  # attention chunk size (0: none)
+    tree_base: torch.Tensor | None = None,  # [B] with tree_bits [B, T]: a token tree's mask (tree_visible)
+    tree_bits: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [B, T, Hq, D]
     """What the decode attention kernels compute (kernels/decode_attention.py on CUDA, kernels/cpu_ops.py
     on CPU): the queries over the gathered cache in fp32."""
     keys, values = gather_blocks(k_cache, tables, kv_len), gather_blocks(v_cache, tables, kv_len)
-    mask = step_mask(positions, kv_len, chunk)
+    if tree_base is not None and tree_bits is not None:
+        mask = tree_visible(torch.arange(kv_len, device=q.device)[None, None, None], tree_base, tree_bits)
+    else:
+        mask = step_mask(positions, kv_len, chunk)
     return sdpa_attention(q.float(), keys.float(), values.float(), mask).to(q.dtype)

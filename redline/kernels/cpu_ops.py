@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from redline.kernels.attention_core import attention_by_reductions, step_mask
+from redline.kernels.attention_core import attention_by_reductions, step_mask, tree_visible
 from redline.kernels.packed_layout import is_packed, out_features
 from redline.kernels.paged_kv import gather_blocks
 
@@ -121,7 +121,7 @@ def load() -> bool:
         lambda x, w: x.new_empty(x.shape[0], out_features(w))  # [M, K], [N, K] or packed -> [M, N]
     )
     torch.library.register_fake("redline_cpu::decode_attention_bf16")(
-        lambda q, k_cache, v_cache, positions, tables, kv_len, chunk: q.new_empty(q.shape)  # [B, T, Hq, D]
+        lambda q, *_: q.new_empty(q.shape)  # [B, T, Hq, D]
     )
     torch.library.register_fake("redline_cpu::dense_layer_bf16")(lambda x, *_: x.new_empty(x.shape))
     return True
@@ -144,6 +144,8 @@ def decode_attention_bf16(
     tables: torch.Tensor,  # [B, blocks per sequence] int32
     kv_len: int,
     chunk: int = 0,  # attention chunk size (0: none)
+    tree_base: torch.Tensor | None = None,  # [B] with tree_bits [B, T]: a token tree's mask (tree_visible)
+    tree_bits: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [B, T, Hq, D]
     """decode_attention_reference's result. An FP8 cache or a head_dim that is not a multiple of 32 up to
     256 takes the path the kernel replaces: the gathered cache through attention_by_reductions (SDPA
@@ -151,8 +153,11 @@ def decode_attention_bf16(
     bf16 = k_cache.dtype == torch.bfloat16 and q.dtype == torch.bfloat16
     if bf16 and q.shape[-1] % 32 == 0 and q.shape[-1] <= 256:
         kernel = torch.ops.redline_cpu.decode_attention_bf16
-        return kernel(q, k_cache, v_cache, positions, tables, kv_len, chunk)
+        return kernel(q, k_cache, v_cache, positions, tables, kv_len, chunk, tree_base, tree_bits)
     keys, values = (gather_blocks(c, tables, kv_len).to(q.dtype) for c in (k_cache, v_cache))
+    if tree_base is not None and tree_bits is not None:
+        key_positions = torch.arange(kv_len, device=q.device)[None, None, None]
+        return attention_by_reductions(q, keys, values, tree_visible(key_positions, tree_base, tree_bits))
     return attention_by_reductions(q, keys, values, step_mask(positions, kv_len, chunk))
 
 
@@ -171,9 +176,12 @@ def dense_layer_bf16(
     #                                     gate_up [2I, H], down [H, I]
     eps: float,
     heads: int,  # Hq
+    tree_base: torch.Tensor | None = None,  # [B] with tree_bits [B, T]: the rows are a token tree, at their
+    tree_bits: torch.Tensor | None = None,  # slots (the positions), under its mask
 ) -> torch.Tensor:  # [B, T, H]
     """models/llama.DecoderLayer's output for a dense rotary layer at a decode step, in one call; the new keys
     and values go to the caches at their positions through the tables."""
     return torch.ops.redline_cpu.dense_layer_bf16(
-        x, k_cache, v_cache, positions, tables, kv_len, chunk, cos, sin, interleaved, *weights, eps, heads
-    )
+        x, k_cache, v_cache, positions, tables, kv_len, chunk, cos, sin, interleaved, *weights, eps, heads,
+        tree_base, tree_bits,
+    )  # fmt: skip

@@ -41,6 +41,8 @@ def _split_kernel(
     v_ptr,
     pos_ptr,
     table_ptr,
+    tree_base_ptr,  # [B] with TREE: a token tree's first slot
+    tree_bits_ptr,  # [B, T] int64 with TREE: bit j set -> the row sees slot base + j
     acc_ptr,
     m_ptr,
     l_ptr,
@@ -67,6 +69,7 @@ def _split_kernel(
     DOT_FP32: tl.constexpr,  # products in fp32 (fp32 queries, the interpreter), else in q's dtype
     PRECISION: tl.constexpr,  # of fp32 products (prefill_attention.py)
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (Hopper+)
+    TREE: tl.constexpr,  # the rows are a token tree: keys before its base, then their ancestors' slots
 ):
     if USE_PDL:  # the launch may overlap the previous kernel: wait for its writes (q, the KV cache)
         gdc_wait()
@@ -85,6 +88,9 @@ def _split_kernel(
         q = q.to(tl.float32)
     q_pos = tl.load(pos_ptr + b * num_tokens + token, mask=row_ok, other=0).to(tl.int32)
     lowest = tl.where(chunk > 0, q_pos - q_pos % tl.maximum(chunk, 1), 0)
+    if TREE:
+        tree_base = tl.load(tree_base_ptr + b).to(tl.int32)
+        tree_bits = tl.load(tree_bits_ptr + b * num_tokens + token, mask=row_ok, other=0)  # [BLOCK_M] int64
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -100,9 +106,13 @@ def _split_kernel(
         kv_offsets = block[:, None] * stride_kb + h * stride_kh + row + dims[None, :]
         k = tl.load(k_ptr + kv_offsets, mask=n_ok[:, None], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale  # [BLOCK_M, BLOCK_N]
-        visible = (
-            n_ok[None, :] & (n[None, :] <= q_pos[:, None]) & (n[None, :] >= lowest[:, None]) & row_ok[:, None]
-        )
+        if TREE:  # attention_core.tree_visible, its 63 slots (draft_tree.TREE_SLOTS)
+            past_base = n[None, :] - tree_base  # [1, BLOCK_N]
+            bit = (tree_bits[:, None] >> tl.minimum(tl.maximum(past_base, 0), 62).to(tl.int64)) & 1
+            seen = (past_base < 0) | ((past_base < 63) & (bit == 1))
+        else:
+            seen = (n[None, :] <= q_pos[:, None]) & (n[None, :] >= lowest[:, None])
+        visible = n_ok[None, :] & seen & row_ok[:, None]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -127,6 +137,8 @@ def decode_attention(
     tables: torch.Tensor,
     kv_len: int,
     chunk: int = 0,
+    tree_base: torch.Tensor | None = None,
+    tree_bits: torch.Tensor | None = None,
     num_splits: int = 4,
     block_n: int = 16,
     pdl: bool = False,
@@ -134,6 +146,7 @@ def decode_attention(
     """Same arguments and result as decode_attention_reference; the caches share strides and are
     contiguous in their last dimension. kv_len may be a SymInt (the compiled step's dynamic kv bucket).
     With pdl (Hopper or newer GPUs), launched with programmatic dependent launch."""
+    tree = tree_base is not None and tree_bits is not None
     q = q.contiguous()  # interleaved RoPE leaves head_dim strided (Llama 4: stride 3 over a [T, H, D] view)
     b, t, hq, d = q.shape
     hkv = k_cache.shape[1]
@@ -151,6 +164,8 @@ def decode_attention(
         v_cache,
         positions.contiguous(),
         tables,
+        tree_base.contiguous() if tree else positions,  # unread without TREE
+        tree_bits.contiguous() if tree else positions,
         acc,
         m,
         denom,
@@ -177,6 +192,7 @@ def decode_attention(
         DOT_FP32=fp32 or interpreted,
         PRECISION="tf32x3" if fp32 and not interpreted else "ieee",  # 16-bit products ignore it
         USE_PDL=pdl,
+        TREE=tree,
         **launch,
     )
     top = m.amax(dim=1, keepdim=True)  # [B * Hkv, 1, BLOCK_M]

@@ -9,13 +9,25 @@ import torch
 from torch import nn
 
 from redline.config import ModelConfig
-from redline.kernels.attention_core import STEP_QUERIES
+from redline.kernels.attention_core import STEP_QUERIES, tree_visible
 from redline.kernels.paged_kv import BLOCK, gather_blocks, kv_bucket
 from redline.layers.backends import TORCH, Backends, backend_name
 from redline.layers.linear import Linear, fuse_weights, product
 from redline.layers.norm import rms_normalize
 from redline.layers.rotary import Rotary
 from redline.quant.fp8 import FP8, FP8_MAX
+
+
+@dataclass
+class TreeMask:
+    """Rows of a token tree (speculative/tree.py) in one forward: each row sits at its depth's position
+    (rotary) but is stored at a cache slot of its own, and attends to the cache before `base` and to the
+    slots of its ancestors. Row 2 of a tree rooted at base 40 with bits 0b101: keys 0..39, then slots 40
+    (the root) and 42 (itself), not 41 (a sibling)."""
+
+    slots: torch.Tensor  # [B, T] the cache position each row's key is written at
+    base: torch.Tensor  # [B] the first slot the tree's rows may use; earlier positions are all attended
+    bits: torch.Tensor  # [B, T] int64: bit j set -> the row attends to slot base + j (j < 63)
 
 
 @dataclass
@@ -28,10 +40,11 @@ class AttentionBatch:
     tokens or earlier requests are never seen.
     """
 
-    positions: torch.Tensor  # [B, T] absolute position of each new token
+    positions: torch.Tensor  # [B, T] where each new token's key goes (a tree's rows: their slots, not their
+    # rotary positions, which cos and sin hold)
     tables: torch.Tensor | None  # [B, blocks per sequence] int32; None without a cache
     kv_len: int  # keys attended: cache positions [0, kv_len)
-    full_mask: torch.Tensor  # [B, 1, T, kv_len] bool, causal
+    full_mask: torch.Tensor  # [B, 1, T, kv_len] bool, causal (a tree's: tree_visible)
     chunked_mask: torch.Tensor | None  # [B, 1, T, kv_len] bool, causal and same chunk
     cos: torch.Tensor  # [B, T, 1, head_dim // 2]
     sin: torch.Tensor
@@ -40,6 +53,14 @@ class AttentionBatch:
     write_at: tuple[torch.Tensor, torch.Tensor] | None
     # eager CPU with several rows: (kv bucket, row indices) groups for Attention._attend_by_length
     key_groups: tuple[tuple[int, torch.Tensor], ...] | None
+    # a token tree's (TreeMask) base [B] and ancestor bits [B, T]: full_mask is theirs, and the decode
+    # kernels take them (the prefill kernel, causal by position, does not apply)
+    tree_base: torch.Tensor | None = None
+    tree_bits: torch.Tensor | None = None
+
+    @property
+    def tree(self) -> bool:
+        return self.tree_base is not None
 
     @classmethod
     def build(
@@ -49,10 +70,15 @@ class AttentionBatch:
         positions: torch.Tensor,
         key_positions: torch.Tensor,  # [B or 1, kv_len]
         tables: torch.Tensor | None,  # [B, blocks per sequence] int32
+        tree: TreeMask | None = None,
     ) -> AttentionBatch:
         q = positions[:, None, :, None]  # [B, 1, T, 1]
         k = key_positions[:, None, None, :]  # [B|1, 1, 1, S]
-        full = k <= q
+        full, slots = k <= q, positions
+        if tree is not None:
+            if config.attention_chunk_size is not None:
+                raise ValueError("tree drafts with chunked attention (Llama 4) are not supported yet")
+            full, slots = tree_visible(k, tree.base, tree.bits), tree.slots
         chunked = None
         if config.attention_chunk_size is not None:
             # chunk 8192: a query at 8195 sees keys 8192..8195 only (its chunk starts at 8195 - 8195 % 8192).
@@ -66,14 +92,16 @@ class AttentionBatch:
         cos, sin = rotary.cos_sin(positions)
         kv_len, write_at, key_groups = key_positions.shape[-1], None, None
         if tables is not None:
-            write_at = (tables.gather(1, positions // BLOCK).long(), positions % BLOCK)
+            write_at = (tables.gather(1, slots // BLOCK).long(), slots % BLOCK)
             if (
                 positions.device.type == "cpu"
                 and positions.shape[0] > 1
                 and not torch.compiler.is_dynamo_compiling()
             ):
-                key_groups = _key_groups(positions, kv_len)
-        return cls(positions, tables, kv_len, full, chunked, cos, sin, temperature, write_at, key_groups)
+                key_groups = _key_groups(slots, kv_len)
+        base, bits = (None, None) if tree is None else (tree.base, tree.bits)
+        rest = (cos, sin, temperature, write_at, key_groups, base, bits)
+        return cls(slots, tables, kv_len, full, chunked, *rest)
 
     def leaves(self) -> tuple:
         """The fields in order as one tuple, write_at unpacked: in a compiled graph only tensors, ints and
@@ -81,14 +109,23 @@ class AttentionBatch:
         for every layer (models/llama.run_layer)."""
         block, row = self.write_at if self.write_at is not None else (None, None)
         head = (self.positions, self.tables, self.kv_len, self.full_mask, self.chunked_mask, self.cos)
-        return (*head, self.sin, self.temperature, block, row, self.key_groups)
+        return (
+            *head,
+            self.sin,
+            self.temperature,
+            block,
+            row,
+            self.key_groups,
+            self.tree_base,
+            self.tree_bits,
+        )
 
     @classmethod
     def from_leaves(cls, leaves: tuple) -> AttentionBatch:
         """The inverse of leaves()."""
         assert len(leaves) == _LEAVES, "leaves(): one entry per field, two for write_at"
-        *head, block, row, key_groups = leaves
-        return cls(*head, None if block is None else (block, row), key_groups)
+        *head, block, row, key_groups, base, bits = leaves
+        return cls(*head, None if block is None else (block, row), key_groups, base, bits)
 
 
 _LEAVES = len(fields(AttentionBatch)) + 1
@@ -158,7 +195,13 @@ class Attention(nn.Module):
             # is a dynamic dimension >= 16, which this comparison only guards (> 9), never splits.
             kernel = self.step_kernel if x.shape[1] <= STEP_QUERIES else self.prefill_kernel
             assert batch.tables is not None
-            if kernel is not None:
+            if batch.tree:  # a token tree: the decode kernel under its mask, for a step's few rows
+                kernel = self.step_kernel if x.shape[1] <= STEP_QUERIES else None
+                if kernel is not None:
+                    out = kernel(q, *cache, batch.positions, batch.tables, batch.kv_len, 0, batch.tree_base,
+                                 batch.tree_bits)  # fmt: skip
+                    return self.o_proj(out.reshape(*x.shape[:2], -1))
+            elif kernel is not None:
                 out = kernel(q, *cache, batch.positions, batch.tables, batch.kv_len, self.chunk)
                 return self.o_proj(out.reshape(*x.shape[:2], -1))
             if batch.key_groups is not None:

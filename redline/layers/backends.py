@@ -46,14 +46,16 @@ from redline.kernels.attention_core import attention_by_reductions, sdpa_attenti
 from redline.layers.linear import FewRows, streamed_rows, weight_times_xt
 
 # (q [B, T, Hq, D], k_cache, v_cache [blocks, Hkv, BLOCK, D], positions [B, T], tables [B, n] int32, kv_len,
-#  chunk) -> [B, T, Hq, D]: attention of the T queries over positions [0, kv_len) of their block tables
+#  chunk) -> [B, T, Hq, D]: attention of the T queries over positions [0, kv_len) of their block tables; a
+#  decode kernel also takes a token tree's tree_base [B] and tree_bits [B, T] after chunk (its mask instead)
 CachedAttention = Callable[..., torch.Tensor]
 # (q [B, T, Hq, D], keys, values [B, Hkv, S, D], mask [B or 1, 1, T, S] bool) -> [B, T, Hq, D]
 AttentionCore = Callable[..., torch.Tensor]
 # (attended, residual [..., H], norm weight [H], eps) -> (normed, residual + attended)
 AddNorm = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 # (x [B, T, H], k_cache, v_cache, positions [B, T], tables, kv_len, chunk, cos, sin [B, T, 1, D / 2],
-#  interleaved, weights, eps, heads) -> [B, T, H]: a dense layer's decode step (cpu_ops.dense_layer_bf16)
+#  interleaved, weights, eps, heads, tree_base, tree_bits) -> [B, T, H]: a dense layer's decode step
+#  (cpu_ops.dense_layer_bf16; a token tree's rows at their slots under its mask when tree_base is given)
 DenseLayer = Callable[..., torch.Tensor]
 
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from redline.config import ConfigError, ModelConfig, llama_layer_config
-from redline.layers.attention import Attention, AttentionBatch
+from redline.layers.attention import Attention, AttentionBatch, TreeMask
 from redline.layers.backends import TORCH, Backends
 from redline.layers.linear import Linear
 from redline.layers.mlp import MLP
@@ -167,9 +167,10 @@ class Eagle3Draft(nn.Module):
         cache: KVLayer | None,  # [blocks, kv_heads, BLOCK, head_dim] each
         tables: torch.Tensor | None = None,  # [B, blocks per sequence] int32
         kv_len: int | None = None,
+        tree: TreeMask | None = None,  # the rows are nodes of a draft tree (speculative/tree.py)
     ) -> torch.Tensor:  # [B, T, H] the draft's hidden state (before the final norm)
         key_positions = positions if cache is None else torch.arange(kv_len, device=positions.device)[None]
-        batch = AttentionBatch.build(self.config.layer, self.rotary, positions, key_positions, tables)
+        batch = AttentionBatch.build(self.config.layer, self.rotary, positions, key_positions, tables, tree)
         return self.midlayer(self.embed(next_tokens), hidden, batch, cache)
 
     def write_keys(

@@ -14,7 +14,7 @@ from torch import nn
 
 from redline.config import ModelConfig
 from redline.kernels.attention_core import STEP_QUERIES
-from redline.layers.attention import Attention, AttentionBatch
+from redline.layers.attention import Attention, AttentionBatch, TreeMask
 from redline.layers.backends import TORCH, Backends, DenseLayer, backend_name
 from redline.layers.linear import WHOLE_STEP_ROWS, Linear, stored
 from redline.layers.mlp import MLP
@@ -85,7 +85,8 @@ class DecoderLayer(nn.Module):
 
     def in_one_call(self, x: torch.Tensor, cache: KVLayer | None) -> bool:  # x [B, T, hidden]
         """Whether forward computes this x in one call: a decode step (static B and T in a compiled step, see
-        Attention.forward) of at most WHOLE_STEP_ROWS rows, as linear.product's kernel rows."""
+        Attention.forward) of at most WHOLE_STEP_ROWS rows, as linear.product's kernel rows (a token
+        tree's too: the call takes its mask)."""
         b, t, _ = x.shape
         step = t <= STEP_QUERIES and b * t <= WHOLE_STEP_ROWS
         return self.one_call is not None and cache is not None and step and cache[0].dtype == x.dtype
@@ -97,7 +98,8 @@ class DecoderLayer(nn.Module):
             attended = (batch.positions, batch.tables, batch.kv_len, attention.chunk)
             rotary = (batch.cos, batch.sin, attention.rotary.interleaved)
             weights, eps = self._one_call_weights(), self.input_layernorm.eps
-            return self.one_call(x, k, v, *attended, *rotary, weights, eps, attention.num_heads)
+            tree = (batch.tree_base, batch.tree_bits)
+            return self.one_call(x, k, v, *attended, *rotary, weights, eps, attention.num_heads, *tree)
         normed, x = self.reduce_add_norm(self.self_attn(self.input_layernorm(x), batch, cache), x)
         return x + self.tp.all_reduce(self.mlp(normed))
 
@@ -193,6 +195,7 @@ class LlamaForCausalLM(nn.Module):
         cache: list[KVLayer] | None = None,  # per layer k, v [blocks, kv_heads, BLOCK, head_dim]
         tables: torch.Tensor | None = None,  # [B, blocks per sequence] int32: each row's blocks
         kv_len: int | None = None,  # cache positions attended (a static bucket), required with a cache
+        tree: TreeMask | None = None,  # the rows are a token tree (speculative/tree.py)
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns the final normed hidden states [B, T, hidden] and, when aux_layers is set, the
         concatenated aux hidden states [B, T, len(aux_layers) * hidden]."""
@@ -201,7 +204,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             assert kv_len is not None and tables is not None, "a cached forward needs tables and a kv_len"
             key_positions = torch.arange(kv_len, device=tokens.device)[None]
-        batch = AttentionBatch.build(self.config, self.model.rotary, positions, key_positions, tables)
+        batch = AttentionBatch.build(self.config, self.model.rotary, positions, key_positions, tables, tree)
         leaves = batch.leaves()  # for the layer regions
         if torch.compiler.is_dynamo_compiling() and any(layer.one_call for layer in self.model.layers):
             # one buffer each, read by every one-call layer: else inductor computes them anew for each call

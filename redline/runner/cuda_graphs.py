@@ -64,6 +64,8 @@ class GraphedStep:
             tensors["draft_probs"] = s.draft_probs
         if s.history is not None:
             tensors["history"] = s.history
+        if s.parents is not None:
+            tensors["parents"] = s.parents
         return {name: t.clone() for name, t in tensors.items()}
 
     def _restore(self, saved: dict[str, torch.Tensor]) -> None:

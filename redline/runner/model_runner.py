@@ -30,6 +30,7 @@ from redline.runner.slots import DeviceSlots
 from redline.sampling import SamplingTensors
 from redline.speculative.emit import Emitter
 from redline.speculative.step import DecodeState, DecodeStep
+from redline.speculative.tree_step import TreeDecodeStep
 
 
 class ModelRunner:
@@ -68,8 +69,9 @@ class ModelRunner:
         # budget measured next
         draft_vocab = draft.config.draft_vocab_size if draft is not None else None
         history_len = None if shapes.ngram is None else shapes.cache_len
+        nodes = None if shapes.tree is None else shapes.tree.nodes
         state = DecodeState.empty(shapes.slots, shapes.k, model.config.vocab_size, draft_vocab, self.device,
-                                  history_len)  # fmt: skip
+                                  history_len, nodes)  # fmt: skip
         sampling = SamplingTensors.zeros(shapes.slots, self.device)
         if kv_of is None:
             self.num_blocks = self._pool_blocks(kv_cache_memory, gpu_memory_utilization)
@@ -88,8 +90,9 @@ class ModelRunner:
                                   blocks, draft_layers)  # fmt: skip
             draft_cache.table = cache.table  # the same positions: the same blocks
         self.slots = DeviceSlots(cache, draft_cache, state, sampling)
-        emitter = Emitter(model, draft, shapes.k, shapes.ngram)
-        self.step = DecodeStep(emitter, cache, draft_cache, state, sampling)
+        emitter = Emitter(model, draft, shapes.k, shapes.ngram, shapes.tree)
+        step = DecodeStep if shapes.tree is None else TreeDecodeStep
+        self.step = step(emitter, cache, draft_cache, state, sampling)
         self.compiled_prefill = self.compiled_step = self.graphed_step = None
         forward = lambda tokens, positions, tables, kv_len: model(
             tokens, positions, cache.layers, tables, kv_len

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from redline.draft_tree import TreeShape
 from redline.kernels.paged_kv import BLOCK, kv_bucket
 from redline.logprobs import TokenLogprob
 from redline.sampling import SamplingParams
@@ -157,9 +158,9 @@ class Shapes:
     n-gram lookup the suffix lengths it tries (the runner then keeps every slot's tokens), and whether
     steps may verify no drafts (adaptive draft length: a second variant of the step, k = 0).
 
-    A step writes up to K positions past the last accepted token (the target's verified rows) and the
-    draft chain 2K - 1 past it, so a slot holds blocks for positions [0, position + lookahead) and the
-    cache has room for max_len + 2K + 1 positions.
+    A step writes up to `reach` positions past its pending token: the target's K verified rows, the
+    draft's chain 2K - 1 (a draft tree: TreeShape.reach). A slot holds blocks for positions
+    [0, position + lookahead) and the cache has room for max_len + reach + 2 positions.
     """
 
     slots: int
@@ -167,6 +168,7 @@ class Shapes:
     k: int  # draft tokens per step (0: plain decoding)
     ngram: NgramRange | None = None  # n-gram lookup drafts (alone, or beside an EAGLE-3 draft)
     adaptive: bool = False  # steps of k = 0 beside k = K (engine/draft_length.py)
+    tree: TreeShape | None = None  # EAGLE-2-style draft trees (speculative/tree.py): K = tree.steps
 
     @property
     def variants(self) -> tuple[int, ...]:
@@ -174,12 +176,18 @@ class Shapes:
         return (0, self.k) if self.adaptive and self.k > 0 else (self.k,)
 
     @property
+    def reach(self) -> int:
+        """Positions past the pending token a step writes, 2K - 1 for the chain (plain decoding, K = 0: -1, as
+        the arithmetic below wants; it writes the pending token's own position only)."""
+        return self.tree.reach if self.tree is not None else 2 * self.k - 1
+
+    @property
     def cache_len(self) -> int:
-        return self.max_len + 2 * self.k + 1
+        return self.max_len + self.reach + 2
 
     @property
     def lookahead(self) -> int:
-        return 2 * self.k + 2
+        return self.reach + 3
 
     def batch_bucket(self, rows_needed: int) -> int:
         """Rows a step runs over: the next power of two (1, 2, 4, ...), at most `slots`. 3 -> 4."""
@@ -190,7 +198,7 @@ class Shapes:
 
     def kv_len_for(self, last_position: int) -> int:
         """Keys a step must see when the furthest slot's pending token sits at last_position."""
-        return kv_bucket(last_position + 2 * self.k + 1, self.cache_len)
+        return kv_bucket(last_position + self.reach + 2, self.cache_len)
 
     def prefill_len(self, n: int) -> int:
         return padded_len(n, self.cache_len)
@@ -202,7 +210,7 @@ class Shapes:
         """Every (rows, kv_len, logits, k) a decode step can run at: rows a batch bucket, kv_len a kv bucket
         (64, 128, ..., cache_len), k a variant. 16 slots x 4,096 tokens, K = 3, adaptive: 5 x 8 x 2 x 2."""
         rows = sorted({self.batch_bucket(n) for n in range(1, self.slots + 1)})
-        kv_lens = sorted({self.kv_len_for(p) for p in range(self.cache_len - 2 * self.k)})
+        kv_lens = sorted({self.kv_len_for(p) for p in range(self.cache_len - self.reach - 1)})
         return [
             (r, kv, logits, k)
             for r in rows

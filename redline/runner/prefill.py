@@ -117,8 +117,8 @@ class Prefill:
         draft_inputs = None
         if slots.draft_cache is not None:
             assert aux is not None
-            # the proposals run K - 1 positions past the last row
-            reach = max(c.end for c in chunks) + 2 * self.shapes.k + 1
+            # the proposals run past the last row (a chain K - 1 positions, a tree its frontier's slots)
+            reach = max(c.end for c in chunks) + self.shapes.reach + 2
             kv_len = min(max(padded.kv_len, reach), self.shapes.cache_len)
             draft_inputs = DraftInputs(aux, padded.next_tokens, padded.positions, last,
                                        slots.draft_cache.layers[0], tables, kv_len)  # fmt: skip
@@ -135,6 +135,8 @@ class Prefill:
             state.draft_probs[done] = e.draft_probs[index]
         if history is not None and state.history is not None:
             state.history[done] = history[index]
+        if e.parents is not None and state.parents is not None:
+            state.parents[done] = e.parents[index]
         if counts is not None:  # last: a prefill that raises before here leaves the counts as they were
             state.counts[rows] = counts
         return DevicePrefill(e.tokens[:, 0], e.packed, prompt)

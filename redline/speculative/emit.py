@@ -26,13 +26,14 @@ from dataclasses import dataclass
 import torch
 
 from redline import logprobs
+from redline.draft_tree import TreeShape
 from redline.models.eagle3 import Eagle3Draft
 from redline.models.llama import LlamaForCausalLM
 from redline.penalties import count_emitted, counts_after_drafts, penalize
 from redline.sampling import SamplingTensors, filtered_probs
 from redline.speculative import ngram
 from redline.speculative.ngram import NgramRange
-from redline.speculative.propose import DraftInputs, propose
+from redline.speculative.propose import DraftInputs, propose, propose_tree
 from redline.speculative.verify import greedy_verify, rejection_verify
 
 
@@ -44,14 +45,20 @@ class Emitted:
     draft_probs: torch.Tensor | None  # [B, K, V_draft]: what the drafts were sampled from (logits path;
     # zeros for an n-gram proposal)
     packed: torch.Tensor | None  # [B, T * logprobs.width]: the tokens' log-probabilities (logits path)
+    parents: torch.Tensor | None = None  # [B, N]: a draft tree's rows' parents (pending holds its tokens)
 
 
 class Emitter:
     def __init__(
-        self, target: LlamaForCausalLM, draft: Eagle3Draft | None, k: int, lookup: NgramRange | None = None
+        self,
+        target: LlamaForCausalLM,
+        draft: Eagle3Draft | None,
+        k: int,
+        lookup: NgramRange | None = None,
+        tree: TreeShape | None = None,
     ):
-        """k > 0 needs a draft, n-gram lookup or both."""
-        self.target, self.draft, self.k, self.lookup = target, draft, k, lookup
+        """k > 0 needs a draft, n-gram lookup or both; a tree (k = its steps) needs a draft alone."""
+        self.target, self.draft, self.k, self.lookup, self.tree = target, draft, k, lookup, tree
         if draft is not None:  # draft id -> target id for the whole draft vocabulary (q on the target's)
             ids = torch.arange(draft.config.draft_vocab_size, device=draft.d2t.device)
             self.draft_to_target = draft.to_target(ids)
@@ -70,8 +77,7 @@ class Emitter:
         draft_inputs: DraftInputs | None,
         history: torch.Tensor | None = None,  # [B, L] n-gram lookup: the rows' tokens by position, written
     ) -> Emitted:
-        t = hidden.shape[1]
-        packed = None
+        logits = None
         if not any_sampling:  # argmax only: under tensor parallelism, no logits gathered
             tokens, accepted = greedy_verify(self.target.greedy_tokens(hidden), drafts)
         else:
@@ -81,24 +87,48 @@ class Emitter:
             q = self._draft_q(draft_probs, drafts, sampling)
             tokens, accepted = rejection_verify(filtered_probs(penalized, sampling), q, drafts, sampling.seed,
                                                 positions)  # fmt: skip
+        return self.finish(tokens, accepted, logits, positions, sampling, counts, seen, emitting,
+                           any_sampling, draft_inputs, history)  # fmt: skip
+
+    def finish(
+        self,
+        tokens: torch.Tensor,  # [B, T] emitted: the first n_acc + 1 are new
+        accepted: torch.Tensor,  # [B] n_acc
+        logits: torch.Tensor | None,  # [B, T, V] the target's at the emitting positions (logits path)
+        positions: torch.Tensor,  # [B, T] the emitting positions
+        sampling: SamplingTensors,
+        counts: torch.Tensor | None,  # [B, V] int32, updated in place (logits path)
+        seen: torch.Tensor | None,  # [B, V] bool (logits path)
+        emitting: torch.Tensor,  # [B] bool
+        any_sampling: bool,
+        draft_inputs: DraftInputs | None,
+        history: torch.Tensor | None,  # [B, L]
+    ) -> Emitted:
+        """After verification: the emitted tokens counted and their log-probabilities packed, then the next
+        step's drafts proposed."""
+        t, packed = tokens.shape[1], None
+        if logits is not None:
+            assert counts is not None
             new = (torch.arange(t, device=tokens.device) <= accepted[:, None]) & emitting[:, None]  # [B, T]
             count_emitted(counts, tokens, new)  # for the proposals below and the next step's penalties
             packed = logprobs.pack(logits, tokens)
         bonus = tokens.gather(1, accepted[:, None])  # [B, 1] the next pending[:, 0]
-        pending, probs = bonus, None
+        pending, probs, parents = bonus, None, None
         if self.draft is not None:
             assert draft_inputs is not None
-            drafted, probs = self._propose(tokens, accepted, emitting, sampling, counts, seen, any_sampling,
-                                           draft_inputs)  # fmt: skip
+            drafted, probs, parents = self._propose(tokens, accepted, emitting, sampling, counts, seen,
+                                                    any_sampling, draft_inputs)  # fmt: skip
             pending = torch.cat((bonus, drafted), dim=1)
             if self.target.tp.size > 1:  # rank 0's decisions (parallel/group.py)
-                decided = self.target.tp.from_first_rank(torch.cat((tokens, accepted[:, None], pending), 1))
-                tokens, accepted, pending = decided.split([t, 1, pending.shape[1]], dim=1)
-                accepted = accepted[:, 0]  # [B, T | 1 | K + 1] -> [B]
+                shared = [tokens, accepted[:, None], pending] + ([] if parents is None else [parents])
+                decided = self.target.tp.from_first_rank(torch.cat(shared, 1))
+                widths = [part.shape[1] for part in shared]
+                tokens, accepted, pending, *rest = decided.split(widths, dim=1)
+                accepted, parents = accepted[:, 0], rest[0] if rest else None  # [B, T | 1 | K + 1 (| N)]
         if self.lookup is not None:
             assert history is not None
             pending, probs = self._lookup(history, tokens, accepted, positions, emitting, pending, probs)
-        return Emitted(tokens, accepted, pending, probs, packed)
+        return Emitted(tokens, accepted, pending, probs, packed, parents)
 
     def _lookup(
         self,
@@ -134,10 +164,13 @@ class Emitter:
         seen: torch.Tensor | None,  # [B, V]
         any_sampling: bool,
         inputs: DraftInputs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # drafts [B, K] (target ids), probs [B, K, V_draft]
-        """The draft over the forward's rows, each emitting row reading the token emitted after it, then
-        the chain from row first_row + n_acc. Rows [3, 4] of L = 6 emit [x, y] -> next_tokens[:, 3:5] = [x, y]
-        (rows that do not emit keep the tokens they were given)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """drafts [B, K] (target ids), probs [B, K, V_draft] when sampling; with a tree, drafts [B, N - 1]
+        and parents [B, N] (no probs: a tree's nodes are the draft's top tokens, deterministic).
+
+        The draft over the forward's rows, each emitting row reading the token emitted after it, then
+        the chain (or the tree) from row first_row + n_acc. Rows [3, 4] of L = 6 emit [x, y] ->
+        next_tokens[:, 3:5] = [x, y] (rows that do not emit keep the tokens they were given)."""
         t = tokens.shape[1]
         rows = inputs.first_row[:, None] + torch.arange(t, device=tokens.device)  # [B, T]
         known = inputs.next_tokens.gather(1, rows)
@@ -146,14 +179,19 @@ class Emitter:
             assert self.draft is not None
             self.draft.write_keys(next_tokens, self.draft.fuse(inputs.aux), inputs.positions, inputs.cache,
                                   inputs.tables)  # fmt: skip
-            return self._no_proposals(tokens.gather(1, accepted[:, None]), any_sampling)
+            return *self._no_proposals(tokens.gather(1, accepted[:, None]), any_sampling), None
         penalties = None
         if any_sampling:  # the proposals are penalized as verification will be
             assert counts is not None and seen is not None
             penalties = (counts, seen)
         assert self.draft is not None
         row = inputs.first_row + accepted
-        return propose(self.draft, inputs, next_tokens, row, self.k, sampling, any_sampling, penalties)
+        if self.tree is not None:
+            drafts, parents = propose_tree(
+                self.draft, inputs, next_tokens, row, self.tree, sampling, penalties
+            )
+            return drafts, None, parents
+        return *propose(self.draft, inputs, next_tokens, row, self.k, sampling, any_sampling, penalties), None
 
     def _no_proposals(
         self,

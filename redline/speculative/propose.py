@@ -7,10 +7,12 @@ from dataclasses import dataclass
 
 import torch
 
+from redline.draft_tree import TreeShape
 from redline.models.eagle3 import Eagle3Draft
 from redline.models.llama import KVLayer
 from redline.penalties import penalize
 from redline.sampling import SamplingTensors, filtered_probs, sample_from
+from redline.speculative.tree import expand
 
 DRAFT_STREAM = 2  # random stream of draft sampling
 
@@ -43,13 +45,10 @@ def propose(
     """Returns draft tokens [B, K] (target ids) and, when sampling, their distributions [B, K, V_draft].
     With penalties (penalties.py) the draft's logits are penalized as the target's are, each proposal
     counting the ones before it, so its proposals follow the distribution verification will use."""
-    positions, cache, tables, kv_len = inputs.positions, inputs.cache, inputs.tables, inputs.kv_len
-    if penalties is not None:  # onto the draft vocabulary: draft id d is target id to_target(d)
-        ids = draft.to_target(torch.arange(draft.config.draft_vocab_size, device=positions.device))
-        counts, seen = (t[:, ids] for t in penalties)  # [B, V_draft]
-    hidden = draft(next_tokens, draft.fuse(inputs.aux), positions, cache, tables, kv_len)  # [B, L, H]
-    h = hidden.gather(1, row[:, None, None].expand(-1, 1, hidden.shape[-1]))  # [B, 1, H]
-    position = positions.gather(1, row[:, None])  # [B, 1] the row at p predicts the token at p + 2
+    cache, tables, kv_len = inputs.cache, inputs.tables, inputs.kv_len
+    if penalties is not None:
+        counts, seen = on_draft_vocabulary(draft, penalties)
+    h, position = draft_root(draft, inputs, next_tokens, row)
     tokens, probs = [], []
     for step in range(k):
         if any_sampling:
@@ -69,3 +68,48 @@ def propose(
             position = position + 1
             h = draft(token, h, position, cache, tables, kv_len)
     return torch.cat(tokens, dim=1), torch.cat(probs, dim=1) if any_sampling else None
+
+
+def draft_root(
+    draft: Eagle3Draft,
+    inputs: DraftInputs,
+    next_tokens: torch.Tensor,  # [B, L]
+    row: torch.Tensor,  # [B]
+) -> tuple[torch.Tensor, torch.Tensor]:  # h [B, 1, H], position [B, 1]
+    """The draft's pass over the forward's rows (writing its cache there), and its hidden state and position
+    at the row the proposals continue from: the row at p predicts the token at p + 2."""
+    positions = inputs.positions
+    hidden = draft(next_tokens, draft.fuse(inputs.aux), positions, inputs.cache, inputs.tables, inputs.kv_len)
+    h = hidden.gather(1, row[:, None, None].expand(-1, 1, hidden.shape[-1]))  # [B, 1, H]
+    return h, positions.gather(1, row[:, None])
+
+
+def on_draft_vocabulary(
+    draft: Eagle3Draft, penalties: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target counts [B, V] and seen [B, V] -> [B, V_draft] each: draft id d is target id to_target(d)."""
+    ids = draft.to_target(torch.arange(draft.config.draft_vocab_size, device=penalties[0].device))
+    counts, seen = (t[:, ids] for t in penalties)
+    return counts, seen
+
+
+def propose_tree(
+    draft: Eagle3Draft,
+    inputs: DraftInputs,
+    next_tokens: torch.Tensor,  # [B, L]
+    row: torch.Tensor,  # [B] the last row whose next token is known
+    shape: TreeShape,
+    sampling: SamplingTensors,
+    penalties: tuple[torch.Tensor, torch.Tensor] | None = None,  # target counts [B, V], seen [B, V]
+) -> tuple[torch.Tensor, torch.Tensor]:  # tokens [B, N - 1] (target ids), parents [B, N]
+    """A draft tree (speculative/tree.py) from the row: its nodes are the draft's top tokens, penalized by
+    the counts so far (not along each branch: proposals only steer acceptance, never the output)."""
+    h, position = draft_root(draft, inputs, next_tokens, row)
+    logits_of = draft.logits
+    if penalties is not None:
+        counts, seen = on_draft_vocabulary(draft, penalties)
+        logits_of = lambda x: penalize(draft.logits(x), sampling, counts[:, None], seen)
+    tokens, parents, _ = expand(
+        draft, h, position, inputs.cache, inputs.tables, inputs.kv_len, shape, logits_of
+    )
+    return tokens, parents

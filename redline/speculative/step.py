@@ -13,6 +13,7 @@ state, one row per slot:
   draft_probs [S, K, V_draft]  the distributions the drafts were sampled from (sampling requests only)
   counts [S, V], seen [S, V]   penalized requests' generated-token counts, prompt-token mask (penalties.py)
   history [S, L]      n-gram lookup: each slot's tokens by position, prompt and output (speculative/ngram.py)
+  parents [S, N]      a draft tree (speculative/tree.py): pending holds its N rows' tokens, this their parents
 
 Two variants, chosen on the host: the argmax path when every row is greedy without penalties or logprobs,
 else the logits path (any_sampling): the target's logits, penalized, filtered, sampled or verified by
@@ -40,6 +41,7 @@ class DecodeState:
     counts: torch.Tensor  # [S, V] int32
     seen: torch.Tensor  # [S, V] bool
     history: torch.Tensor | None = None  # [S, L] int64
+    parents: torch.Tensor | None = None  # [S, N] int64
 
     @classmethod
     def empty(
@@ -50,19 +52,25 @@ class DecodeState:
         draft_vocab: int | None,
         device: torch.device,
         history_len: int | None = None,  # n-gram lookup: positions each slot's history holds
+        tree_nodes: int | None = None,  # a draft tree's rows (pending's width)
     ) -> DecodeState:
         probs = None if draft_vocab is None else torch.zeros(slots, k, draft_vocab, device=device)
         history = None
         if history_len is not None:
             history = torch.zeros(slots, history_len, dtype=torch.int64, device=device)
+        parents = None
+        if tree_nodes is not None:  # every row a child of the root until the first tree is drafted
+            parents = torch.zeros(slots, tree_nodes, dtype=torch.int64, device=device)
+            probs = None  # a tree's nodes are deterministic
         return cls(
-            pending=torch.zeros(slots, k + 1, dtype=torch.int64, device=device),
+            pending=torch.zeros(slots, tree_nodes or k + 1, dtype=torch.int64, device=device),
             pos=torch.zeros(slots, dtype=torch.int64, device=device),
             active=torch.zeros(slots, dtype=torch.bool, device=device),
             draft_probs=probs,
             counts=torch.zeros(slots, vocab, dtype=torch.int32, device=device),
             seen=torch.zeros(slots, vocab, dtype=torch.bool, device=device),
             history=history,
+            parents=parents,
         )
 
 

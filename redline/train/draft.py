@@ -34,6 +34,7 @@ from redline.sampling import SamplingParams
 from redline.tokenizer import Tokenizer
 from redline.train import data
 from redline.train.budget import Plan, plan_training, regen_deadline
+from redline.train.draft_init import init_from_target
 from redline.train.features import DraftData, Sample, extract
 from redline.train.loop import Schedule, StepLoss, save_atomically, train
 from redline.train.precision import autocast, compute_dtype
@@ -66,6 +67,7 @@ class DraftRecipe:
     warmup: int = 30
     weight_decay: float = 0.0
     seed: int = 0
+    init: str = "random"  # the layer's start: "random", or "target": its last layer (draft_init.py)
 
 
 def source_prompts(
@@ -126,11 +128,16 @@ def resumable(out: Path) -> bool:
 
 
 def new_draft(target: LlamaForCausalLM, recipe: DraftRecipe, vocab: torch.Tensor) -> Eagle3Draft:
-    """Random layer, lm_head initialised from the target's rows of the draft vocabulary."""
+    """Random layer (or the target's last, recipe.init "target"), lm_head initialised from the target's
+    rows of the draft vocabulary."""
+    if recipe.init not in ("random", "target"):
+        raise ValueError(f'init must be "random" or "target", got {recipe.init!r}')
     torch.manual_seed(recipe.seed)
     config = draft_config_for(target.config, len(vocab), recipe.intermediate_size)
     draft = Eagle3Draft(config, target_embedding=target.model.embed_tokens)
     normal_init(draft)
+    if recipe.init == "target":
+        init_from_target(draft, target)
     with torch.no_grad():
         draft.lm_head.weight.copy_(target.lm_head.weight[vocab])
         draft.d2t.copy_(vocab - torch.arange(len(vocab)))

@@ -40,6 +40,21 @@ void key_offsets(const int32_t* table, int64_t lo, int64_t n, int64_t kv_heads, 
   }
 }
 
+// A token tree's keys for one query (kernels.h TreeRows): positions 0 .. base - 1, then the slots base + j of
+// the set bits of `bits`, all below kv_len. Example: base 40, bits 0b101: keys 0..39, 40 and 42.
+void tree_key_offsets(const int32_t* table, int64_t base, int64_t bits, int64_t kv_len, int64_t kv_heads,
+                      int64_t kv_head, int64_t block_size, int64_t blocks, int64_t head_dim,
+                      std::vector<int64_t>& offsets) {
+  key_offsets(table, 0, std::min(base, kv_len), kv_heads, kv_head, block_size, blocks, head_dim, offsets);
+  std::vector<int64_t> one;
+  for (int64_t j = 0; j < 63 && base + j < kv_len; ++j) {  // 63 slots: draft_tree.TREE_SLOTS
+    if ((bits >> j) & 1) {
+      key_offsets(table, base + j, 1, kv_heads, kv_head, block_size, blocks, head_dim, one);
+      offsets.push_back(one[0]);
+    }
+  }
+}
+
 // One query (C chunks of 32: head_dim = 32 C) over the n keys at `offsets`, into out[32 C]. Scores 16 keys
 // at a time: vdpbf16ps multiplies the bf16 query and key exactly and adds in fp32, and sums16 adds each
 // key's lanes; then e^(score - top) 16 at a time, and the values weighted by them, divided by their sum at
@@ -108,7 +123,7 @@ namespace redline {
 
 void decode_attention(const uint16_t* q, int64_t q_stride, int64_t B, int64_t T, int64_t Hq,
                       const int64_t* positions, const PagedCache& cache, int64_t kv_len, int64_t chunk,
-                      at::BFloat16* out) {
+                      at::BFloat16* out, const TreeRows* tree) {
   const int64_t D = cache.head_dim, G = Hq / cache.kv_heads;
   const float scale = 1.0f / std::sqrt(float(D));
   using Attend = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, const std::vector<int64_t>&,
@@ -124,6 +139,16 @@ void decode_attention(const uint16_t* q, int64_t q_stride, int64_t B, int64_t T,
     for (int64_t task = begin; task < end; ++task) {
       // task = (b * T + t) * Hq + h, out's layout: T = 2, Hq = 9, task 25 is b = 1, t = 0, h = 7
       const int64_t b = task / (T * Hq), t = task / Hq % T, h = task % Hq;
+      if (tree != nullptr) {  // (b, kv head, t, -2): a tree's rows each see their own keys
+        const int64_t walk[4] = {b, h / G, t, -2};
+        if (!std::equal(walk, walk + 4, walked)) {
+          tree_key_offsets(cache.tables + b * cache.per_row, tree->base[b], tree->bits[b * T + t], kv_len,
+                           cache.kv_heads, h / G, cache.block_size, cache.blocks, D, offsets);
+          std::copy(walk, walk + 4, walked);
+        }
+        run(q + (b * T + t) * q_stride + h * D, cache.k, cache.v, offsets, scale, scores, out + task * D);
+        continue;
+      }
       const int64_t position = positions[b * T + t];
       const int64_t hi = std::min(position, kv_len - 1);
       const int64_t lo = chunk > 0 ? position - position % chunk : 0;
@@ -150,7 +175,8 @@ namespace {
 // q [B, T, Hq, D]; k_cache, v_cache [blocks, Hkv, BLOCK, D]; positions [B, T] int64; tables [B, n] int32
 at::Tensor decode_attention_bf16(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                  const at::Tensor& positions_in, const at::Tensor& tables, int64_t kv_len,
-                                 int64_t chunk) {
+                                 int64_t chunk, const std::optional<at::Tensor>& tree_base,
+                                 const std::optional<at::Tensor>& tree_bits) {
   TORCH_CHECK(q_in.dim() == 4 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "decode_attention_bf16: q [B, T, Hq, D], caches [blocks, Hkv, BLOCK, D]");
   TORCH_CHECK(q_in.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
@@ -163,8 +189,11 @@ at::Tensor decode_attention_bf16(const at::Tensor& q_in, const at::Tensor& k_cac
   const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3);
   const redline::PagedCache cache = redline::paged_cache(k_cache, v_cache, table, B, Hq, D, kv_len);
   at::Tensor out = at::empty_like(q);
+  std::pair<at::Tensor, at::Tensor> kept;
+  redline::TreeRows rows;
+  const redline::TreeRows* tree = redline::tree_rows(tree_base, tree_bits, B, T, kept, rows);
   redline::decode_attention(redline::bits(q), Hq * D, B, T, Hq, positions.data_ptr<int64_t>(), cache, kv_len,
-                            chunk, out.data_ptr<at::BFloat16>());
+                            chunk, out.data_ptr<at::BFloat16>(), tree);
   return out;
 }
 
@@ -172,6 +201,6 @@ at::Tensor decode_attention_bf16(const at::Tensor& q_in, const at::Tensor& k_cac
 
 TORCH_LIBRARY_FRAGMENT(redline_cpu, m) {
   m.def("decode_attention_bf16(Tensor q, Tensor k_cache, Tensor v_cache, Tensor positions, Tensor tables, "
-        "SymInt kv_len, int chunk) -> Tensor");
+        "SymInt kv_len, int chunk, Tensor? tree_base=None, Tensor? tree_bits=None) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(redline_cpu, CPU, m) { m.impl("decode_attention_bf16", decode_attention_bf16); }

@@ -105,7 +105,8 @@ redline::Weight checked_weight(const at::Tensor& w, int64_t rows, int64_t cols, 
   return weight;
 }
 
-// x [B, T, H]; k_cache, v_cache [blocks, Hkv, BLOCK, D] (written); positions [B, T]; tables [B, n] int32;
+// x [B, T, H]; k_cache, v_cache [blocks, Hkv, BLOCK, D] (written at the positions: a token tree's rows at
+// their slots); positions [B, T]; tables [B, n] int32;
 // cos, sin [B, T, 1, D / 2] fp32; qkv [(Hq + 2 Hkv) D, H]; o [H, Hq D];
 // gate_up [2I, H]; down [H, I] (each [N, K] or packed); norms [H]. Returns the layer's output [B, T, H].
 at::Tensor dense_layer_bf16(const at::Tensor& x_in, at::Tensor& k_cache, at::Tensor& v_cache,
@@ -113,7 +114,9 @@ at::Tensor dense_layer_bf16(const at::Tensor& x_in, at::Tensor& k_cache, at::Ten
                             int64_t chunk, const at::Tensor& cos_in, const at::Tensor& sin_in,
                             bool interleaved, const at::Tensor& input_norm, const at::Tensor& qkv,
                             const at::Tensor& o, const at::Tensor& post_norm, const at::Tensor& gate_up,
-                            const at::Tensor& down, double eps, int64_t Hq) {
+                            const at::Tensor& down, double eps, int64_t Hq,
+                            const std::optional<at::Tensor>& tree_base,
+                            const std::optional<at::Tensor>& tree_bits) {
   TORCH_CHECK(x_in.dim() == 3 && x_in.scalar_type() == at::kBFloat16, "dense_layer_bf16: x [B, T, H] bf16");
   const int64_t B = x_in.size(0), T = x_in.size(1), H = x_in.size(2), M = B * T;
   const int64_t Hkv = k_cache.size(1), D = k_cache.size(3);
@@ -174,7 +177,10 @@ at::Tensor dense_layer_bf16(const at::Tensor& x_in, at::Tensor& k_cache, at::Ten
       std::copy(qkv_row + Q + KV + h * D, qkv_row + Q + KV + (h + 1) * D, vs + at);
     }
   }
-  redline::decode_attention(bits(p), Q + 2 * KV, B, T, Hq, at_positions, cache, kv_len, chunk, a);
+  std::pair<at::Tensor, at::Tensor> kept;
+  redline::TreeRows rows;
+  const redline::TreeRows* tree = redline::tree_rows(tree_base, tree_bits, B, T, kept, rows);
+  redline::decode_attention(bits(p), Q + 2 * KV, B, T, Hq, at_positions, cache, kv_len, chunk, a, tree);
   redline::product(bits(a), M, w_o, n);  // the attention's output, in `normed`
   add(redline::bits(x), bits(n), M * H, r);
   rms_norm(bits(r), M, H, redline::bits(post_norm), float(eps), n);
@@ -191,6 +197,6 @@ TORCH_LIBRARY_FRAGMENT(redline_cpu, m) {
   m.def("dense_layer_bf16(Tensor x, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor positions, Tensor tables, "
         "SymInt kv_len, int chunk, Tensor cos, Tensor sin, "
         "bool interleaved, Tensor input_norm, Tensor qkv, Tensor o, Tensor post_norm, Tensor gate_up, "
-        "Tensor down, float eps, int heads) -> Tensor");
+        "Tensor down, float eps, int heads, Tensor? tree_base=None, Tensor? tree_bits=None) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(redline_cpu, CPU, m) { m.impl("dense_layer_bf16", dense_layer_bf16); }

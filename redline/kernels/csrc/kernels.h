@@ -4,6 +4,8 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <optional>
+#include <utility>
 
 namespace redline {
 
@@ -74,10 +76,30 @@ inline PagedCache paged_cache(const at::Tensor& k_cache, const at::Tensor& v_cac
           tables.data_ptr<int32_t>(), tables.size(1)};
 }
 
+// A token tree's mask (speculative/tree.py, attention_core.tree_visible): row b's queries see every key
+// before base[b], then slot base[b] + j where bit j of bits[b * T + t] is set (j < 63)
+struct TreeRows {
+  const int64_t* base;  // [B]
+  const int64_t* bits;  // [B * T]
+};
+
 // out[B * T, Hq, D] = attention of queries q (row b * T + t at q + (b * T + t) * q_stride, head h at + h * D)
-// at positions[B * T] over cache positions [0, kv_len) (decode_attention_bf16.cpp)
+// at positions[B * T] over cache positions [0, kv_len), or under a tree's mask (decode_attention_bf16.cpp)
 void decode_attention(const uint16_t* q, int64_t q_stride, int64_t B, int64_t T, int64_t Hq,
                       const int64_t* positions, const PagedCache& cache, int64_t kv_len, int64_t chunk,
-                      at::BFloat16* out);
+                      at::BFloat16* out, const TreeRows* tree = nullptr);
+
+// The tree of the optional tensors base [B] and bits [B, T] (both or neither), held in `kept`; nullptr
+// without them
+inline const TreeRows* tree_rows(const std::optional<at::Tensor>& base, const std::optional<at::Tensor>& bits,
+                                 int64_t B, int64_t T, std::pair<at::Tensor, at::Tensor>& kept,
+                                 TreeRows& rows) {
+  TORCH_CHECK(base.has_value() == bits.has_value(), "a tree takes both tree_base and tree_bits");
+  if (!base.has_value()) return nullptr;
+  kept = {base->to(at::kLong).contiguous(), bits->to(at::kLong).contiguous()};
+  TORCH_CHECK(kept.first.numel() == B && kept.second.numel() == B * T, "tree_base [B], tree_bits [B, T]");
+  rows = {kept.first.data_ptr<int64_t>(), kept.second.data_ptr<int64_t>()};
+  return &rows;
+}
 
 }  // namespace redline
