@@ -64,7 +64,9 @@ def sampled_tree_verify(
     b, n, vocab = p.shape
     most = min(topk, n - 1)  # children a node can have among the N - 1 kept
     node = torch.zeros(b, dtype=torch.int64, device=p.device)
-    path, n_acc, final = [node], torch.zeros_like(node), torch.zeros_like(node)
+    path, n_acc = [node], torch.zeros_like(node)
+    # where each row stopped: its residual and the position its correction takes (drawn once, at the end)
+    stopped, stopped_at = p[:, 0], torch.zeros_like(node)[:, None]
     walking = torch.ones(b, dtype=torch.bool, device=p.device)
     for _ in range(steps + 1):
         residual = p.gather(1, node[:, None, None].expand(b, 1, vocab))[:, 0]  # [B, V]
@@ -86,8 +88,8 @@ def sampled_tree_verify(
             rejected = (has & ~accept)[:, None]
             residual = residual.scatter(1, token, torch.where(rejected, 0.0, residual.gather(1, token)))
         stops = walking & ~moved
-        drawn = sample_from(residual[:, None], seed, here, stream=0)[:, 0]  # [B]
-        final = torch.where(stops, drawn, final)
+        stopped = torch.where(stops[:, None], residual, stopped)
+        stopped_at = torch.where(stops[:, None], here, stopped_at)
         n_acc = n_acc + moved
         walking = moved
         node = nxt
@@ -95,5 +97,6 @@ def sampled_tree_verify(
             path.append(node)
     path = torch.stack(path, dim=1)  # [B, steps + 1]
     # the accepted nodes' tokens, then the final token at n_acc: [5, 7, 7] n_acc 1, final 3 -> [5, 3, 7]
+    final = sample_from(stopped[:, None], seed, stopped_at, stream=0)[:, 0]  # one vocabulary-wide draw
     emitted = torch.cat((tokens.gather(1, path[:, 1:]), final[:, None]), dim=1)
     return path, n_acc, emitted.scatter(1, n_acc[:, None], final[:, None])
