@@ -154,13 +154,13 @@ def test_serve_over_two_processes_answers_like_one_and_exits_when_a_worker_dies(
 
 def test_torchrun_over_two_machines_on_loopback_generates_like_one_process(tmp_path, tokenizer_dir):
     """Two `torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d` launches, one per "machine",
-    meeting at a rendezvous endpoint on 127.0.0.1, run `redline generate --tp 2` on a fresh random prompt:
-    both exit 0, the launch that became rank 0 prints one process's text, and the other (a follower)
-    prints nothing."""
+    meeting at a rendezvous endpoint on 127.0.0.1, run `redline generate --tp 2` on a fresh random prompt
+    (--ignore-eos: the random model may end at once, leaving no text to compare): both exit 0, the
+    launch that became rank 0 prints one process's text, and the other (a follower) prints nothing."""
     target = save_hf_model(build_hf_model(llama3_hf_config(), seed=4), tmp_path / "t", tokenizer_dir)
     prompt = " ".join(random.choices(WORDS, k=6))
     command = ["-m", "redline", "generate", "--model", str(target), "--prompt", prompt, "--max-tokens", "20",
-               "--dtype", "float32", "--no-compile"]  # fmt: skip
+               "--ignore-eos", "--dtype", "float32", "--no-compile"]  # fmt: skip
     torchrun = [str(Path(sys.executable).parent / "torchrun"), "--nnodes", "2", "--nproc-per-node", "1",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}"]  # fmt: skip
     nodes = [
