@@ -7,7 +7,8 @@ static), so a random draft measures it faithfully. Two runners are built, plain 
 (K = 3), each with one slot, compiled (`--eager`: not), and warmed up (timed) (`--by-op`: two more, whose
 dense layers run op by op rather than as one call each; `--pages`: two more, whose weights and KV cache
 stay on torch's allocations, REDLINE_HUGE_PAGES=0: ordinary pages unless transparent_hugepage is
-"always"; `--unpacked`: two more, whose weights stay [N, K], not packed); then their batch-1 greedy steps
+"always"; `--unpacked`: two more, whose weights stay [N, K], not packed; `--tree 4,8`: one more per
+tree, K levels deep; `--k`: K of the speculative runners, 3 by default); then their batch-1 greedy steps
 are timed interleaved (A B A B ...) so that other load on the machine hits all alike, and each is
 profiled with torch.profiler (`--kernels`: each generated C++ kernel its own row, e.g. the decoder layer's
 kernel x 30 against the rest of the step; compiles anew). Roofline: weight bytes per step (every
@@ -18,7 +19,7 @@ same run.
 with an empty inductor cache, then again on the cache that run left (a second process).
 
     .venv/bin/python benchmarks/step_profile.py [--steps 40] [--threads 2] [--kernels] [--eager] [--by-op]
-        [--pages] [--unpacked]
+        [--pages] [--unpacked] [--k 3] [--tree 4,8 ...]
     .venv/bin/python benchmarks/step_profile.py --startup [--draft]
 """
 
@@ -63,9 +64,19 @@ def row_major_backends(config: EngineConfig, device: torch.device) -> Backends:
     return replace(backends_of(config, device), packed_weights=False)
 
 
-def make_runner(target_dir: Path, draft_dir: Path | None, k: int, compile: bool, max_len: int) -> ModelRunner:
-    """One slot, built as the engine builds it (the kernels chosen for the compile mode)."""
+def make_runner(
+    target_dir: Path,
+    draft_dir: Path | None,
+    k: int,
+    compile: bool,
+    max_len: int,
+    tree: tuple[int, int] | None,
+) -> ModelRunner:
+    """One slot, built as the engine builds it (the kernels chosen for the compile mode); `tree`: (topk,
+    nodes) of a draft tree K levels deep."""
     drafting = {"draft": draft_dir, "num_speculative_tokens": k} if draft_dir is not None else {}
+    if tree is not None:
+        drafting |= {"speculative_eagle_topk": tree[0], "speculative_num_draft_tokens": tree[1]}
     config = EngineConfig.create(target_dir, dtype="bfloat16", max_num_seqs=1, max_model_len=max_len,
                                  compile=compile, **drafting)  # fmt: skip
     return build_runner(config, SINGLE)
@@ -138,6 +149,9 @@ def main() -> None:
     parser.add_argument("--pages", action="store_true", help=pages)
     unpacked = "also time plain and K = 3 runners whose weights stay [N, K] (not packed: layers/packed.py)"
     parser.add_argument("--unpacked", action="store_true", help=unpacked)
+    trees = "also time runners with a draft tree of TOPK,NODES, K levels deep (e.g. 4,8; repeatable)"
+    parser.add_argument("--tree", action="append", default=[], metavar="TOPK,NODES", help=trees)
+    parser.add_argument("--k", type=int, default=3, help="draft length of the speculative runners")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -157,24 +171,36 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         draft_dir = write_random_draft(target_dir, Path(tmp) / "draft", draft_vocab=8192)
         runners = {}
-        kinds = [("plain", 0, True, True, True), ("K=3", 3, True, True, True)]
+        k, spec = args.k, f"K={args.k}"
+        kinds = [("plain", 0, True, True, True), (spec, k, True, True, True)]
         kinds += (
-            [("plain by op", 0, False, True, True), ("K=3 by op", 3, False, True, True)] if args.by_op else []
+            [("plain by op", 0, False, True, True), (f"{spec} by op", k, False, True, True)]
+            if args.by_op
+            else []
         )
         kinds += (
-            [("plain 4 KiB", 0, True, False, True), ("K=3 4 KiB", 3, True, False, True)] if args.pages else []
+            [("plain 4 KiB", 0, True, False, True), (f"{spec} 4 KiB", k, True, False, True)]
+            if args.pages
+            else []
         )
         kinds += (
-            [("plain [N, K]", 0, True, True, False), ("K=3 [N, K]", 3, True, True, False)]
+            [("plain [N, K]", 0, True, True, False), (f"{spec} [N, K]", k, True, True, False)]
             if args.unpacked
             else []
         )
+        shapes = {name: None for name, *_ in kinds}
+        for tree in args.tree:
+            topk, nodes = map(int, tree.split(","))
+            kinds.append((f"tree {topk}x{nodes}", k, True, True, True))
+            shapes[kinds[-1][0]] = (topk, nodes)
         for name, k, one_call, huge_pages, packed in kinds:
             with (
                 patch.dict(os.environ, {} if huge_pages else {"REDLINE_HUGE_PAGES": "0"}),
                 patch("redline.runner.build.backends_of", backends_of if packed else row_major_backends),
             ):
-                runner = make_runner(target_dir, draft_dir if k else None, k, not args.eager, max_len)
+                runner = make_runner(
+                    target_dir, draft_dir if k else None, k, not args.eager, max_len, shapes[name]
+                )
             for layer in runner.model.model.layers if not one_call else []:
                 layer.one_call = None  # before the first compile: the graphs call each op
             start = time.perf_counter()

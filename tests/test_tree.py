@@ -111,6 +111,28 @@ def test_sampled_tree_verify_draws_from_the_target():
             assert stat < chi2_critical(df), f"after {first}: chi2 {stat:.1f} (df {df})"
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_compiled_verification_equals_eager_on_trees_with_missing_children(rows):
+    """Both verifications compiled (inductor, CPU) give the eager paths on 4-row trees of topk 4, where a
+    node has fewer children than topk (the masks of absent children are empty): inductor's vectorized
+    argmax over such [B, 4] masks returned a row past the last and aborted the process."""
+    vocab, n, steps, topk = 7, 4, 3, 4
+    greedy, sampled = (torch.compile(f, fullgraph=True) for f in (greedy_tree_verify, sampled_tree_verify))
+    for _ in range(4):
+        parents = random_parents(rows, n, steps)
+        tokens = torch.randint(0, vocab, (rows, n))
+        choice = torch.randint(0, vocab, (rows, n))
+        for got, want in zip(
+            greedy(choice, tokens, parents, steps), greedy_tree_verify(choice, tokens, parents, steps)
+        ):
+            assert torch.equal(got, want)
+        p = torch.softmax(torch.randn(rows, n, vocab) * 3, dim=-1)
+        seed, positions = torch.randint(0, 2**31, (rows,)), torch.arange(n).expand(rows, n) + 5
+        args = (p, tokens, parents, steps, topk, seed, positions)
+        for got, want in zip(sampled(*args), sampled_tree_verify(*args)):
+            assert torch.equal(got, want)
+
+
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory, tokenizer_dir):
     hf = build_hf_model(llama3_hf_config())
@@ -150,7 +172,9 @@ def test_tree_rows_see_their_ancestors_only_and_the_accepted_keys_move_into_plac
         torch.testing.assert_close(got[0, -1], want[0, -1], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize(("k", "topk", "nodes", "batch"), [(1, 2, 3, 1), (3, 4, 8, 4), (5, 2, 10, 2)])
+@pytest.mark.parametrize(
+    ("k", "topk", "nodes", "batch"), [(1, 2, 3, 1), (3, 4, 8, 4), (5, 2, 10, 2), (3, 4, 4, 1)]
+)
 def test_greedy_with_a_tree_equals_plain_decoding(trained, k, topk, nodes, batch):
     """The tiny target and its trained draft: tokens equal plain greedy decoding (up to an fp32 near tie),
     prompts of several lengths over `batch` slots, with drafts accepted past the first level. Then the

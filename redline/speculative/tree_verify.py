@@ -24,6 +24,13 @@ def _children(parents: torch.Tensor, node: torch.Tensor) -> torch.Tensor:  # [B,
     return (parents == node[:, None]) & (rows > 0)
 
 
+def _first_row(mask: torch.Tensor) -> torch.Tensor:  # [B, N] bool -> [B] int64
+    """The first row set in each mask, 0 when none: [F, T, T] -> 1. A sum over a one-hot, not argmax: on
+    [B, 4] masks inductor's vectorized CPU argmax (torch 2.13) returned indices past the last row."""
+    rows = torch.arange(mask.shape[1], device=mask.device)
+    return ((mask & (mask.cumsum(dim=1) == 1)) * rows).sum(dim=1)
+
+
 def greedy_tree_verify(
     choice: torch.Tensor,  # [B, N] the target's argmax after each row
     tokens: torch.Tensor,  # [B, N] the rows' tokens (row 0 the root)
@@ -40,7 +47,7 @@ def greedy_tree_verify(
         want = choice.gather(1, node[:, None])  # [B, 1]
         match = _children(parents, node) & (tokens == want)  # siblings' tokens differ: one match at most
         found = match.any(dim=1) & (n_acc == len(path) - 1)  # still walking
-        node = torch.where(found, match.to(torch.uint8).argmax(dim=1), node)
+        node = torch.where(found, _first_row(match), node)
         n_acc = n_acc + found
         path.append(node)
     path = torch.stack(path, dim=1)
@@ -78,7 +85,7 @@ def sampled_tree_verify(
         for c in range(most if len(path) <= steps else 0):  # past the last level: no children
             child = rank == c + 1  # [B, N]
             has = child.any(dim=1) & ~moved
-            row = child.to(torch.uint8).argmax(dim=1)
+            row = _first_row(child)
             token = tokens.gather(1, row[:, None])  # [B, 1]
             mass = residual.sum(dim=1, keepdim=True)
             u = uniform(seed, here, ACCEPT_STREAM + CHILD_STREAMS * c)  # [B, 1]
