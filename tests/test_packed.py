@@ -41,11 +41,12 @@ def test_the_layout_puts_two_k_of_32_rows_side_by_side():
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 72, 2000])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 72, 2000])
 @pytest.mark.parametrize("n, k", [(32, 2), (960, 576), (576, 1536), (49152, 576)])
 def test_product_equals_the_fp64_product_rounded_to_bf16(rows, n, k):
-    """Decode (1), verify (4, 5: a tile of 4 and a last row; 72: 8 slots at K = 8) and prompt rows (2,000)
-    at SmolLM2's fused q/k/v, down projection and head; the smallest packable weight."""
+    """Decode (1), verify (4, 5, 8: one tile of up to 8; 13: a tile of 8 and one of 5; 72: 8 slots at K = 8)
+    and prompt rows (2,000) at SmolLM2's fused q/k/v, down projection and head; the smallest packable
+    weight."""
     if rows * n > 5_000_000:
         n = 4096  # the fp64 reference of 2,000 rows x 49,152 outputs takes a minute
     x = torch.randn(rows, k).bfloat16()
@@ -57,10 +58,10 @@ def test_product_equals_the_fp64_product_rounded_to_bf16(rows, n, k):
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [6, 7, 9, 72, 300])
+@pytest.mark.parametrize("rows", [6, 7, 9, 15, 72, 300])
 def test_each_row_is_the_same_whatever_rows_come_with_it(rows):
     """A verify step's rows, and a prompt's, equal one-row products bit for bit: speculative tokens can
-    equal plain ones. 6, 7, 9: a tile of 4 (or two) and a last tile of 2, 3 or 1 rows."""
+    equal plain ones. 6, 7: one tile of 6 or 7 rows; 9, 15: a tile of 8 and a last one of 1 or 7 rows."""
     x = torch.randn(rows, 576).bfloat16()
     weight = pack(torch.randn(1536, 576).bfloat16())
     together = cpu_ops.few_rows_bf16(x, weight)

@@ -6,8 +6,8 @@
 // the block of rows 32..63, pair p = 5: its 128 bytes start at element (1 * K / 2 + 5) * 64 and hold
 // w[32, 10], w[32, 11], w[33, 10], w[33, 11], ... w[63, 11]. vdpbf16ps multiplies a register with the pair
 // x[m, 2p : 2p + 2] broadcast to every lane and adds both products to lane i's sum: each lane is one
-// output, so there are no horizontal sums, and each w register serves every x row of a tile (4 x rows,
-// 8 sums in registers). A block is a contiguous slab that a thread reads front to back; a block is small
+// output, so there are no horizontal sums, and each w register serves every x row of a tile (8 x rows,
+// 16 sums in registers: a draft tree's 8 rows take one pass over the weights, not two). A block is a contiguous slab that a thread reads front to back; a block is small
 // enough (32 rows x K, 36 KB at K = 576) for the tiles after the first to read it from L2, and a prompt's
 // rows go through a thread's blocks 64 at a time (X_CHUNK).
 //
@@ -26,7 +26,7 @@ namespace {
 
 using redline::PACK_ROWS;
 constexpr int REGISTERS = PACK_ROWS / 16;  // fp32 lanes of a block's 32 rows: 2 registers
-constexpr int X_TILE = 4;
+constexpr int X_TILE = 8;
 // x rows a thread takes through all its blocks before the next ones: a prompt's x (2,000 rows of K = 1,536:
 // 6 MB) read anew for every block came from L3 (1.5x torch's GEMM); 64 rows (196 KB at K = 1,536) stay in L2
 constexpr int64_t X_CHUNK = 64;
@@ -54,16 +54,15 @@ void tile(const uint16_t* x, int64_t K, const uint16_t* w, int64_t N, at::BFloat
                           (__m256i)_mm512_cvtneps_pbh(acc[m][j]));  // to nearest even, as at::BFloat16
 }
 
-// y[m, 0:32] for the M x rows at x and the block at w, in tiles of up to 4 rows
+using Tile = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, at::BFloat16*);
+// the last 1 .. X_TILE - 1 x rows: TAIL[rows]
+constexpr Tile TAIL[X_TILE] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>, tile<7>};
+
+// y[m, 0:32] for the M x rows at x and the block at w, in tiles of up to X_TILE rows
 void block(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, at::BFloat16* y) {
   int64_t m = 0;
   for (; m + X_TILE <= M; m += X_TILE) tile<X_TILE>(x + m * K, K, w, N, y + m * N);
-  switch (M - m) {  // the last 1-3 x rows
-    case 3: tile<3>(x + m * K, K, w, N, y + m * N); break;
-    case 2: tile<2>(x + m * K, K, w, N, y + m * N); break;
-    case 1: tile<1>(x + m * K, K, w, N, y + m * N); break;
-    default: break;
-  }
+  if (m < M) TAIL[M - m](x + m * K, K, w, N, y + m * N);
 }
 
 }  // namespace
