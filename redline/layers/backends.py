@@ -41,8 +41,9 @@ from typing import Any
 
 import torch
 
+from redline.draft_tree import TREE_SLOTS
 from redline.kernels import HAS_TRITON, cpu_ops
-from redline.kernels.attention_core import attention_by_reductions, sdpa_attention
+from redline.kernels.attention_core import STEP_QUERIES, attention_by_reductions, sdpa_attention
 from redline.layers.linear import FewRows, streamed_rows, weight_times_xt
 
 # (q [B, T, Hq, D], k_cache, v_cache [blocks, Hkv, BLOCK, D], positions [B, T], tables [B, n] int32, kv_len,
@@ -83,6 +84,9 @@ class Backends:
     fused_projections: bool = False  # q/k/v and gate/up multiplied as one weight each, once loaded
     dense_layer: DenseLayer | None = None  # a dense layer's decode step in one call; None: the layer's ops
     packed_weights: bool = False  # linear weights packed for few_rows once loaded (layers/packed.py)
+    # a token tree's rows that decode_attention (and dense_layer) take under its mask; a larger tree takes
+    # the core over the gathered cache (and the layer's ops), whose arithmetic differs from a plain step's
+    tree_rows: int = STEP_QUERIES
 
     @classmethod
     def choose(
@@ -115,6 +119,7 @@ class Backends:
                 fused_projections=True,
                 dense_layer=cpu_ops.dense_layer_bf16,
                 packed_weights=True,
+                tree_rows=TREE_SLOTS + 1,  # any tree: one task per (row, query, head), no row limit
             )
         few_rows = None
         if compiled and dtype in (torch.float32, torch.bfloat16, torch.float16):

@@ -45,6 +45,7 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(h, config.intermediate_size, config.mlp_bias, backends)
         self.add_norm = backends.add_norm  # None: torch's add, then the norm module
         self._dense_layer = backends.dense_layer
+        self.tree_rows = backends.tree_rows
         self.one_call: DenseLayer | None = None  # a decode step's layer in one call, set by keep_one_call
 
     def keep_one_call(self) -> None:
@@ -83,16 +84,16 @@ class DecoderLayer(nn.Module):
             mlp.down_proj.weight,
         )
 
-    def in_one_call(self, x: torch.Tensor, cache: KVLayer | None) -> bool:  # x [B, T, hidden]
+    def in_one_call(self, x: torch.Tensor, cache: KVLayer | None, tree: bool) -> bool:  # x [B, T, hidden]
         """Whether forward computes this x in one call: a decode step (static B and T in a compiled step, see
-        Attention.forward) of at most WHOLE_STEP_ROWS rows, as linear.product's kernel rows (a token
-        tree's too: the call takes its mask)."""
+        Attention.forward) of at most WHOLE_STEP_ROWS rows, as linear.product's kernel rows, or a token
+        tree of up to Backends.tree_rows rows (the call takes its mask)."""
         b, t, _ = x.shape
-        step = t <= STEP_QUERIES and b * t <= WHOLE_STEP_ROWS
+        step = t <= self.tree_rows if tree else t <= STEP_QUERIES and b * t <= WHOLE_STEP_ROWS
         return self.one_call is not None and cache is not None and step and cache[0].dtype == x.dtype
 
     def forward(self, x: torch.Tensor, batch: AttentionBatch, cache: KVLayer | None) -> torch.Tensor:
-        if self.in_one_call(x, cache):
+        if self.in_one_call(x, cache, batch.tree):
             assert cache is not None and batch.tables is not None
             attention, (k, v) = self.self_attn, cache
             attended = (batch.positions, batch.tables, batch.kv_len, attention.chunk)
@@ -216,7 +217,7 @@ class LlamaForCausalLM(nn.Module):
             if i in self.aux_layers:
                 captured[i] = x
             kv = None if cache is None else cache[i]
-            if self.layer_regions and not layer.in_one_call(x, kv):
+            if self.layer_regions and not layer.in_one_call(x, kv, batch.tree):
                 x = run_layer(layer, x, leaves, kv)
             else:  # a one-call layer outside a region: torch cannot functionalize its cache write inside one
                 x = layer(x, batch, kv)
