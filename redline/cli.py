@@ -272,10 +272,10 @@ def _add_training(sub) -> None:
     _add_recipe_args(d, DraftRecipe)
     d.set_defaults(func=cmd_train_draft)
 
-    m = sub.add_parser("demo", help="SmolLM2 chats with and without EAGLE-3 (the first run trains its draft)")
+    m = sub.add_parser("demo", help="SmolLM2 chats with and without EAGLE-3 (its draft ships with redline)")
     m.add_argument("--prompts", type=int, default=3, help="held-out ShareGPT and HumanEval prompts, each")
     m.add_argument("--max-tokens", type=int, default=128)
-    help = "K (default 1: the fastest K for the demo's draft)"
+    help = "K (default 1: K = 3 was faster on ShareGPT but slower on raw HumanEval, BENCHMARKS.md)"
     m.add_argument("--num-draft-tokens", type=int, default=None, help=help)
     help = "run eagerly instead of compiled (no start-up compile; several times slower decoding)"
     m.add_argument("--eager", action="store_true", help=help)

@@ -89,7 +89,10 @@ class DecoderLayer(nn.Module):
         Attention.forward) of at most WHOLE_STEP_ROWS rows, as linear.product's kernel rows, or a token
         tree of up to Backends.tree_rows rows (the call takes its mask)."""
         b, t, _ = x.shape
-        step = t <= self.tree_rows if tree else t <= STEP_QUERIES and b * t <= WHOLE_STEP_ROWS
+        if tree:  # where the plain step of its slots takes one call (b <= WHOLE_STEP_ROWS)
+            step = t <= self.tree_rows and b <= WHOLE_STEP_ROWS
+        else:
+            step = t <= STEP_QUERIES and b * t <= WHOLE_STEP_ROWS
         return self.one_call is not None and cache is not None and step and cache[0].dtype == x.dtype
 
     def forward(self, x: torch.Tensor, batch: AttentionBatch, cache: KVLayer | None) -> torch.Tensor:

@@ -1,4 +1,4 @@
-// Attention of a decode step's few queries (K + 1 <= 9 per row) over the paged KV cache, on CPU, bf16
+// Attention of a decode step's few queries (K + 1, or a tree's rows) over the paged KV cache, on CPU, bf16
 // queries and cache, fp32 scores, softmax and sums: what kernels/decode_attention.py computes on CUDA
 // (decode_attention_reference is the definition), without gathering the cache or building masks.
 //

@@ -7,8 +7,9 @@
 // w[32, 10], w[32, 11], w[33, 10], w[33, 11], ... w[63, 11]. vdpbf16ps multiplies a register with the pair
 // x[m, 2p : 2p + 2] broadcast to every lane and adds both products to lane i's sum: each lane is one
 // output, so there are no horizontal sums, and each w register serves every x row of a tile (8 x rows,
-// 16 sums in registers: a draft tree's 8 rows take one pass over the weights, not two). A block is a contiguous slab that a thread reads front to back; a block is small
-// enough (32 rows x K, 36 KB at K = 576) for the tiles after the first to read it from L2, and a prompt's
+// 16 sums in registers: a draft tree's 8 rows take one pass over the weights, not two). A block is a
+// contiguous slab that a thread reads front to back; a block is small enough (32 rows x K, 36 KB at
+// K = 576) for the tiles after the first to read it from L2, and a prompt's
 // rows go through a thread's blocks 64 at a time (X_CHUNK).
 //
 // Each output's sum adds the pairs p = 0, 1, ... in order in its own lane, whatever rows come with it: a
