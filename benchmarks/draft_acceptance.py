@@ -67,6 +67,7 @@ def main() -> None:
         print(
             json.dumps({"draft": args.draft, "k": args.num_draft_tokens, "tree": tree, **result}), flush=True
         )
+        llm.close()
 
 
 if __name__ == "__main__":

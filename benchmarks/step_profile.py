@@ -134,6 +134,27 @@ def child(gguf: str, draft: str) -> None:
     print(json.dumps({"compiled": llm.runner.compiled_step is not None, "warmup_s": round(llm.warmup_s, 1)}))
 
 
+def runner_kinds(
+    args: argparse.Namespace,
+) -> tuple[list[tuple[str, int, bool, bool, bool]], dict[str, tuple[int, int] | None]]:
+    """The runners to build, (name, K, one call a layer, huge pages, packed weights) each, and each one's
+    tree (topk, nodes) or None."""
+    spec = f"K={args.k}"
+    kinds = [("plain", 0, True, True, True), (spec, args.k, True, True, True)]
+    if args.by_op:
+        kinds += [("plain by op", 0, False, True, True), (f"{spec} by op", args.k, False, True, True)]
+    if args.pages:
+        kinds += [("plain 4 KiB", 0, True, False, True), (f"{spec} 4 KiB", args.k, True, False, True)]
+    if args.unpacked:
+        kinds += [("plain [N, K]", 0, True, True, False), (f"{spec} [N, K]", args.k, True, True, False)]
+    shapes: dict[str, tuple[int, int] | None] = {name: None for name, *_ in kinds}
+    for tree in args.tree:
+        topk, nodes = map(int, tree.split(","))
+        kinds.append((f"tree {topk}x{nodes}", args.k, True, True, True))
+        shapes[kinds[-1][0]] = (topk, nodes)
+    return kinds, shapes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
@@ -171,28 +192,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         draft_dir = write_random_draft(target_dir, Path(tmp) / "draft", draft_vocab=8192)
         runners = {}
-        k, spec = args.k, f"K={args.k}"
-        kinds = [("plain", 0, True, True, True), (spec, k, True, True, True)]
-        kinds += (
-            [("plain by op", 0, False, True, True), (f"{spec} by op", k, False, True, True)]
-            if args.by_op
-            else []
-        )
-        kinds += (
-            [("plain 4 KiB", 0, True, False, True), (f"{spec} 4 KiB", k, True, False, True)]
-            if args.pages
-            else []
-        )
-        kinds += (
-            [("plain [N, K]", 0, True, True, False), (f"{spec} [N, K]", k, True, True, False)]
-            if args.unpacked
-            else []
-        )
-        shapes = {name: None for name, *_ in kinds}
-        for tree in args.tree:
-            topk, nodes = map(int, tree.split(","))
-            kinds.append((f"tree {topk}x{nodes}", k, True, True, True))
-            shapes[kinds[-1][0]] = (topk, nodes)
+        kinds, shapes = runner_kinds(args)
         for name, k, one_call, huge_pages, packed in kinds:
             with (
                 patch.dict(os.environ, {} if huge_pages else {"REDLINE_HUGE_PAGES": "0"}),
