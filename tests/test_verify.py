@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from redline.speculative.verify import accepted_prefix, greedy_verify, rejection_verify
@@ -53,3 +54,26 @@ def test_rejection_verify_acceptance_rate_is_min_one_p_over_q():
     assert abs(rate - 0.5) < 0.02
     rejected = emitted[n_acc == 0, 0]
     assert (rejected == 1).all()  # residual max(p - q, 0) = [0, 0.5, 0, 0] -> token 1 only
+
+
+@pytest.mark.parametrize("rows, k", [(1, 3), (16, 8)])
+def test_compiled_verification_equals_eager(rows, k):
+    """Both chain verifications compiled (inductor, CPU) give the eager paths, every prefix length from none
+    accepted to all: the first rejection is found by an argmin over a [B, K + 1] uint8 tensor, the reduction
+    whose vectorized argmax twin returned indices past the end on trees' [B, 4] masks (test_tree.py)."""
+    torch._dynamo.reset()
+    vocab = 7
+    greedy, sampled = (torch.compile(f, fullgraph=True) for f in (greedy_verify, rejection_verify))
+    for _ in range(3):
+        choice = torch.randint(0, vocab, (rows, k + 1))
+        accepted = torch.randint(0, k + 1, (rows,))  # the leading run each row gets: 0 .. K
+        drafts = torch.where(torch.arange(k) < accepted[:, None], choice[:, :k], (choice[:, :k] + 1) % vocab)
+        for got, want in zip(greedy(choice, drafts), greedy_verify(choice, drafts), strict=True):
+            assert torch.equal(got, want)
+        assert torch.equal(greedy(choice, drafts)[1], accepted)
+        p = torch.softmax(torch.randn(rows, k + 1, vocab) * 3, dim=-1)
+        q = torch.softmax(torch.randn(rows, k, vocab) * 3, dim=-1)
+        seed, positions = torch.randint(0, 2**31, (rows,)), torch.arange(k + 1).expand(rows, -1) + 9
+        args = (p, q, drafts, seed, positions)
+        for got, want in zip(sampled(*args), rejection_verify(*args), strict=True):
+            assert torch.equal(got, want)

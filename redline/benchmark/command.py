@@ -74,6 +74,9 @@ def add_parser(sub) -> None:
     help = "the same as --modes compiled"
     engines.add_argument("--compile", dest="compiled_mode", action="store_true", help=help)
     engines.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    help = "run each engine alone, one after another (one engine's memory at a time; the machine's drift "
+    help += "then enters the ratios), not all loaded and taking turns prompt by prompt"
+    engines.add_argument("--sequential", action="store_true", help=help)
     help = "with a .gguf --model: skip llama.cpp (run when llama-cpp-python is installed)"
     engines.add_argument("--no-llama-cpp", action="store_true", help=help)
     b.add_argument("--json", type=Path)
@@ -150,6 +153,7 @@ def _bench_engines(args: argparse.Namespace) -> tuple[str, dict]:
         dtype=args.dtype, modes=tuple(m == "compiled" for m in modes), hf=not args.no_hf, data=args.data,
         gguf_files=gguf_files, tensor_parallel_size=args.tensor_parallel_size,
         expert_parallel=args.enable_expert_parallel, ngram=args.ngram, trees=tuple(args.tree),
+        sequential=args.sequential,
     )  # fmt: skip
     result = {"machine": machine.describe()}
     result |= run_bench(model_dir, args.draft, args.num_draft_tokens, settings)

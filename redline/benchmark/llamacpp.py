@@ -5,20 +5,26 @@ fixed-length completions timed token by token like the other engines.
 Two files per GGUF model: the file itself (e.g. the shipped Q4_1) and an F16 copy written from its
 dequantized tensors (models/gguf_f16.py): the weights redline runs, in llama.cpp's best unquantized form.
 
-Each file runs in a child process (`python -m redline.benchmark.llamacpp`, JSON in and out): a crash
-inside llama.cpp (a build whose AMX kernels fault on this CPU, say) costs that row, not the benchmark.
+Each file runs in a child process (`python -m redline.benchmark.llamacpp`, one JSON line per completion, in
+and out), alive from loading the file to the bench's last completion, so that it takes turns with the other
+engines: a crash inside llama.cpp (a build whose AMX kernels fault on this CPU, say) costs that row, not the
+benchmark.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
+from statistics import median
+from typing import TextIO
 
-Complete = Callable[[list[int], int], tuple[list[int], float, float]]  # (prompt, n) -> tokens, ttft_s, rate
+WAIT_S = 30.0  # seconds a child may take to exit once told to (or to report a crash) before it is killed
 
 
 def available() -> bool:
@@ -67,46 +73,109 @@ def complete(model, prompt: list[int], n: int) -> tuple[list[int], float, float]
     return tokens, times[0] - start, (n - 1) / (times[-1] - times[0])
 
 
-def timed_runs(complete: Complete, prompts: list[list[int]], max_tokens: int, repeats: int) -> dict:
-    """One warm-up completion, then every prompt `repeats` times (the HF baseline's loop too): warmup_s,
-    rates and ttfts of every run, outputs of the last repeat."""
-    start = time.perf_counter()
-    complete(prompts[0], max_tokens)
-    result = {"warmup_s": time.perf_counter() - start, "rates": [], "ttfts": [], "outputs": []}
-    for _ in range(repeats):
-        result["outputs"] = []
-        for prompt in prompts:
-            tokens, ttft, rate = complete(prompt, max_tokens)
-            result["rates"].append(rate)
-            result["ttfts"].append(ttft)
-            result["outputs"].append(tokens)
-    return result
+class LlamaCppFailed(RuntimeError):
+    """llama.cpp failed or crashed on a file: that engine's row is lost, not the benchmark."""
 
 
-def bench_file(path: Path, prompts: list[list[int]], max_tokens: int, repeats: int, threads: int) -> dict:
-    """timed_runs of the file, in this process."""
+class Child:
+    """llama.cpp on one file in a child process (`python -m redline.benchmark.llamacpp`, or `command`) that
+    serves completions one JSON line at a time until closed; a failure, a crash or an answer that is not
+    one raises LlamaCppFailed naming the file and the child's last words, and closes the child."""
+
+    def __init__(self, path: Path, context: int, threads: int, command: list[str] | None = None):
+        self.path = path
+        # the child's stderr, read back only on failure; open until close()
+        self.errors = tempfile.TemporaryFile(mode="w+", errors="replace")  # noqa: SIM115
+        try:
+            self.process = subprocess.Popen(
+                command or [sys.executable, "-m", "redline.benchmark.llamacpp"], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=self.errors, text=True, errors="replace",
+            )  # fmt: skip
+        except OSError:
+            self.errors.close()
+            raise
+        self._ask({"path": str(path), "context": context, "threads": threads}, "ready")
+
+    def complete(self, prompt: list[int], n: int) -> tuple[list[int], float, float]:
+        answer = self._ask({"prompt": prompt, "n": n}, "tokens", "ttft_s", "rate")
+        return answer["tokens"], answer["ttft_s"], answer["rate"]
+
+    def _ask(self, request: dict, *keys: str) -> dict:
+        """The child's answer to `request`: a JSON object holding `keys`."""
+        try:
+            self.process.stdin.write(json.dumps(request) + "\n")
+            self.process.stdin.flush()
+            line = self.process.stdout.readline()
+        except BrokenPipeError:
+            line = ""
+        try:
+            answer = json.loads(line) if line else None
+        except ValueError:
+            answer = None
+        if isinstance(answer, dict) and all(key in answer for key in keys):
+            return answer
+        said = f"answered {line.strip()[:80]!r}" if line else self._how()
+        failure = f"llama.cpp failed on {self.path} ({said}): {self._last_words()}"
+        self.close()
+        raise LlamaCppFailed(failure)
+
+    def _how(self) -> str:
+        try:
+            code = self.process.wait(timeout=WAIT_S)
+        except subprocess.TimeoutExpired:
+            return "stopped answering"
+        return f"signal {-code}" if code < 0 else f"exit status {code}"
+
+    def _last_words(self) -> str:
+        self.errors.seek(0)
+        tail = self.errors.read().strip().splitlines()[-1:] or ["no output"]
+        return tail[0]
+
+    def close(self) -> None:
+        """Ends the child (its stdin closed: it exits; killed if it has not within WAIT_S)."""
+        for stream in (self.process.stdin, self.process.stdout):
+            with contextlib.suppress(BrokenPipeError):
+                stream.close()
+        try:
+            self.process.wait(timeout=WAIT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.errors.close()
+
+
+def median_rate(path: Path, prompts: list[list[int]], max_tokens: int, threads: int) -> float:
+    """The median decode tokens/s per user over the prompts, after one warm-up completion."""
+    child = Child(path, max(map(len, prompts)) + max_tokens + 16, threads)
+    try:
+        child.complete(prompts[0], max_tokens)
+        return median(child.complete(p, max_tokens)[2] for p in prompts)
+    finally:
+        child.close()
+
+
+def serve(lines: TextIO) -> None:
+    """The child: the first line names the file (path, context, threads), then one completion per line.
+    Answers go to the original stdout alone: file descriptor 1 is pointed at stderr first, so whatever
+    llama.cpp (C) or Python print there cannot break a line of the protocol."""
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     from llama_cpp import Llama
 
-    context = max(map(len, prompts)) + max_tokens + 16
-    model = Llama(str(path), n_ctx=context, n_threads=threads, n_threads_batch=threads, verbose=False)
-    return timed_runs(lambda prompt, n: complete(model, prompt, n), prompts, max_tokens, repeats)
+    def answer(message: dict) -> None:
+        answers.write(json.dumps(message) + "\n")
+        answers.flush()
 
-
-def bench_in_child(path: Path, prompts: list[list[int]], max_tokens: int, repeats: int, threads: int) -> dict:
-    """bench_file in a child process; raises RuntimeError naming the file if it fails or crashes."""
-    request = {"path": str(path), "prompts": prompts, "max_tokens": max_tokens, "repeats": repeats,
-               "threads": threads}  # fmt: skip
-    child = subprocess.run(
-        [sys.executable, "-m", "redline.benchmark.llamacpp"], input=json.dumps(request), capture_output=True,
-        text=True,
-    )  # fmt: skip
-    if child.returncode != 0:
-        how = f"signal {-child.returncode}" if child.returncode < 0 else f"exit status {child.returncode}"
-        tail = child.stderr.strip().splitlines()[-1:] or ["no output"]
-        raise RuntimeError(f"llama.cpp failed on {path} ({how}): {tail[0]}")
-    return json.loads(child.stdout.strip().splitlines()[-1])
+    a = json.loads(lines.readline())
+    model = Llama(a["path"], n_ctx=a["context"], n_threads=a["threads"], n_threads_batch=a["threads"],
+                  verbose=False)  # fmt: skip
+    answer({"ready": True})
+    for line in lines:
+        request = json.loads(line)
+        tokens, ttft, rate = complete(model, request["prompt"], request["n"])
+        answer({"tokens": tokens, "ttft_s": ttft, "rate": rate})
 
 
 if __name__ == "__main__":
-    a = json.loads(sys.stdin.read())
-    print(json.dumps(bench_file(Path(a["path"]), a["prompts"], a["max_tokens"], a["repeats"], a["threads"])))
+    serve(sys.stdin)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from statistics import median
 
 
 def label(run: dict) -> str:
@@ -19,9 +20,15 @@ def plain_of(runs: list[dict], run: dict) -> dict:
     return (same_mode if run["engine"].startswith("redline") and same_mode else plains)[0]
 
 
+def paired_ratio(run: dict, other: dict) -> float:
+    """The median over completions of run's rate / other's on the same prompt in the same round (run.py's
+    rates: repeat after repeat, prompt after prompt)."""
+    return median(a / b for a, b in zip(run["rates"], other["rates"], strict=True))
+
+
 def table(result: dict) -> str:
     runs = result["runs"]
-    hf = next((r["tps_user_median"] for r in runs if r["engine"] == "hf"), None)
+    hf = next((r for r in runs if r["engine"] == "hf"), None)
     head = f"{'engine':<30}{'tok/s median':>13}{'min':>8}{'max':>8}{'roofline %':>11}{'TTFT ms':>9}"
     head += f"{'accept':>8}{'draft %':>8}{'x plain':>8}" + (f"{'x hf':>7}" if hf else "")
     head += f"{'warmup s':>9}{'same tokens':>12}  per-position acceptance"
@@ -29,14 +36,13 @@ def table(result: dict) -> str:
     for r in runs:
         accept = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else "-"
         share = f"{100 * r['draft_share']:.0f}" if r["draft_share"] is not None else "-"
-        plain = plain_of(runs, r)["tps_user_median"]
         line = (
             f"{label(r):<30}{r['tps_user_median']:>13.1f}{r['tps_user_min']:>8.1f}{r['tps_user_max']:>8.1f}"
             f"{r['roofline_pct']:>11.0f}{1e3 * r['ttft_s_median']:>9.1f}{accept:>8}{share:>8}"
-            f"{r['tps_user_median'] / plain:>8.2f}"
+            f"{paired_ratio(r, plain_of(runs, r)):>8.2f}"
         )
         if hf:
-            line += f"{r['tps_user_median'] / hf:>7.2f}"
+            line += f"{paired_ratio(r, hf):>7.2f}"
         rates = "/".join(f"{a:.2f}" for a in r["acceptance_rates"] or [])
         if r.get("draft_step_share") is not None and r["draft_step_share"] < 1:
             rates += f" (drafted {100 * r['draft_step_share']:.0f}% of steps)"
@@ -45,7 +51,8 @@ def table(result: dict) -> str:
     bound = result["roofline"]
     lines.append(
         f"roofline: {bound['weight_bytes'] / 1e6:.0f} MB of weights per step at "
-        f"{bound['bandwidth_gbps']:.1f} GB/s (measured in this run) "
+        f"{bound['bandwidth_gbps']:.1f} GB/s (measured in this run: {bound['bandwidth_gbps_before']:.1f} "
+        f"before the rounds, {bound['bandwidth_gbps_after']:.1f} after) "
         f"= {bound['tps']:.0f} tokens/s per user at one token per step"
     )
     lines += [f"not run: {failure}" for failure in result.get("failures", [])]

@@ -21,11 +21,16 @@ verifies what the step without drafts left pending: with an EAGLE-3 draft, the b
 
 Estimates of slots that have not drafted lately go stale: after `probe` steps without drafting the
 batch drafts for two steps (the first verifies what a step without drafts left pending, the bonus token
-copied, so only the second measures: its acceptance is what the slots' estimates take), and the gap
-doubles, up to PROBE_MAX, until drafting pays again. With a draft that
-is never accepted at batch 1 that costs 2 (c - 1) / PROBE_MAX of the steps' time: 0.5% at c = 1.3. The
-other way round, a batch that has drafted PLAIN_PROBE steps in a row takes one step without drafts, so c
-is timed anew (c is never taken below 1, and steps that shared their plan with a prefill are not timed).
+copied, so only the second measures), and the gap doubles until drafting pays again, up to
+max(PROBE_MAX, 2 (c - 1) / PROBE_SHARE): two drafting steps cost 2 (c - 1) steps more than two without, so
+where drafting costs more the gap grows until probes take PROBE_SHARE of the time (PROBE_MAX = 128 at c =
+1.3, the batch-1 cost; 600 at c = 2.5, batch 16's, where 16 slots draft only when their acceptance averages
+over 1.5 of 3). A stale estimate (a new slot's, which starts from the prior, or one whose batch chose not to
+draft since its last measure) takes its first new measure with weight STALE_SMOOTHING rather than
+SMOOTHING: a slot whose drafts are accepted recovers at its first probe (0.1 -> 1.55 on 3 accepted)
+and one whose drafts are not stops sooner. The other way round, a batch that has drafted PLAIN_PROBE
+steps in a row takes one step without drafts, so c is timed anew (c is never taken below 1, and steps
+that shared their plan with a prefill are not timed).
 
 Example, K = 3, c = 1.3: two slots with a = 1.2 and 0.1 give 1.3 > 0.6, so the batch drafts; with
 a = 0.2 and 0.1 it does not (0.3 < 0.6).
@@ -33,15 +38,18 @@ a = 0.2 and 0.1 it does not (0.3 < 0.6).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
 
 SMOOTHING = 0.25  # weight of a new observation in a slot's acceptance average
+STALE_SMOOTHING = 0.5  # its weight when the slot's average is stale (new slot, or steps without drafts)
 TIMED = 15  # step times kept per (batch bucket, k): c is the ratio of their medians
 PRIOR_SMOOTHING = 0.1  # weight of a slot's observation in the prior new slots start from
 DEFAULT_COST = 1.3  # c before both variants were timed at a batch bucket
 PROBE_MIN, PROBE_MAX = 8, 128  # steps without drafting before a probe
+PROBE_SHARE = 0.005  # with a draft that never pays, the share of the time its probes may take (gaps grow)
 PLAIN_PROBE = 256  # drafting steps in a row before one without drafts (c timed anew)
 
 
@@ -53,6 +61,7 @@ class DraftLength:
     prior: float = 1.0  # where a new slot's estimate starts: the average over past slots' observations
     rate: dict[int, float] = field(default_factory=dict)  # slot -> accepted drafts per step
     fresh: set[int] = field(default_factory=set)  # slots whose pending drafts were proposed for them
+    stale: set[int] = field(default_factory=set)  # not measured since admitted or since drafting did not pay
     seconds: dict[tuple[int, int], deque[float]] = field(default_factory=dict)  # (rows, k) -> last times
     since_drafting: int = 0  # steps without drafting
     since_plain: int = 0  # drafting steps in a row
@@ -64,10 +73,12 @@ class DraftLength:
         """A request entered the slot: its prefill proposes fresh drafts; its estimate starts at the prior."""
         self.rate[slot] = self.prior
         self.fresh.add(slot)
+        self.stale.add(slot)
 
     def release(self, slot: int) -> None:
         self.rate.pop(slot, None)
         self.fresh.discard(slot)
+        self.stale.discard(slot)
 
     def cost(self, rows: int) -> float:
         """c: a drafting step's time over a step without drafts, at this batch bucket."""
@@ -87,13 +98,19 @@ class DraftLength:
         if gain > (self.cost(rows) - 1.0) * len(slots):
             self.probe = PROBE_MIN  # drafting pays: the next probes start close again
             return self._drafting(rows)
+        self.stale |= set(slots)  # not drafting because it does not pay: their next measure weighs more
         self.since_drafting += 1
-        if self.since_drafting <= self.probe:
+        if self.since_drafting <= min(self.probe, self.longest_gap(rows)):  # a gap grown at another bucket
             return 0
         self.probing = 1  # this step and the next
-        self.probe = min(2 * self.probe, PROBE_MAX)
+        self.probe = min(2 * self.probe, self.longest_gap(rows))
         self.since_drafting = 0
         return self.k
+
+    def longest_gap(self, rows: int) -> int:
+        """The most steps without drafting between probes at this batch bucket: PROBE_MAX, or more where a
+        probe's two drafting steps cost over PROBE_SHARE of that many steps."""
+        return max(PROBE_MAX, math.ceil(2.0 * (self.cost(rows) - 1.0) / PROBE_SHARE))
 
     def _drafting(self, rows: int) -> int:
         """K, or 0 once every PLAIN_PROBE drafting steps in a row, and early while steps without drafts at
@@ -124,8 +141,10 @@ class DraftLength:
             return
         for slot, n in accepted.items():
             if slot in self.fresh:
-                self.rate[slot] = _mix(self.rate.get(slot, self.prior), n, SMOOTHING)
+                weight = STALE_SMOOTHING if slot in self.stale else SMOOTHING
+                self.rate[slot] = _mix(self.rate.get(slot, self.prior), n, weight)
                 self.prior = _mix(self.prior, n, PRIOR_SMOOTHING)
+                self.stale.discard(slot)
             self.fresh.add(slot)
 
 

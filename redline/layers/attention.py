@@ -216,8 +216,9 @@ class Attention(nn.Module):
         batch: AttentionBatch,
         cache: tuple[torch.Tensor, torch.Tensor],  # k, v: [blocks, kv_heads, BLOCK, head_dim]
     ) -> None:
-        """Only what `forward` stores: the rows' keys and values at their positions, nothing attended."""
-        _, k, v = self.project(x, batch)
+        """Only what `forward` stores: the rows' keys and values at their positions, nothing attended (and
+        no queries multiplied)."""
+        k, v = self.project_kv(x, batch)
         self._write(cache, k, v, batch)
 
     def _attend_by_length(
@@ -254,16 +255,48 @@ class Attention(nn.Module):
             qkv = product(x.reshape(b * t, -1), self.qkv_weight, self.few_rows, t)  # [B * T, q + 2 kv]
             q, k, v = qkv.split([p.out_features for p in (self.q_proj, self.k_proj, self.v_proj)], dim=-1)
         q = q.reshape(b, t, self.num_heads, self.head_dim)
+        if self.use_rope:
+            q = self.rotary.apply(q, batch.cos, batch.sin)
+        if self.qk_norm_eps is not None:
+            q = rms_normalize(q, self.qk_norm_eps)
+        if self.temperature_tuning:
+            q = (q * batch.temperature).to(q.dtype)
+        return q, *self._keys_values(k, v, batch, b, t)
+
+    def project_kv(
+        self,
+        x: torch.Tensor,  # [B, T, hidden]
+        batch: AttentionBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [B, T, kv_heads, head_dim] as `project` gives them, without multiplying the queries: the
+        fused weight's rows past q_proj's (k_proj's then v_proj's). Its first dimension counts rows, or
+        blocks of 32 rows when packed: q's share of it is q_out / (q_out + 2 kv_out), e.g. 576 / 960 of 960
+        rows or of 30 blocks (q_proj's own weight may be packed apart when k's and v's rows are not
+        multiples of 32)."""
+        b, t, _ = x.shape
+        if self.qkv_weight is None:
+            return self._keys_values(self.k_proj(x), self.v_proj(x), batch, b, t)
+        q_out, kv_out = self.q_proj.out_features, self.k_proj.out_features + self.v_proj.out_features
+        kv_weight = self.qkv_weight[self.qkv_weight.shape[0] * q_out // (q_out + kv_out) :]
+        kv = product(x.reshape(b * t, -1), kv_weight, self.few_rows, t)  # [B * T, 2 kv]
+        k, v = kv.split([self.k_proj.out_features, self.v_proj.out_features], dim=-1)
+        return self._keys_values(k, v, batch, b, t)
+
+    def _keys_values(
+        self,
+        k: torch.Tensor,  # [B * T or B, T, kv_heads * head_dim]
+        v: torch.Tensor,  # [B * T or B, T, kv_heads * head_dim]
+        batch: AttentionBatch,
+        b: int,
+        t: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [B, T, kv_heads, head_dim] each, k's positions encoded
         k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
         v = v.reshape(b, t, self.num_kv_heads, self.head_dim)
         if self.use_rope:
-            q = self.rotary.apply(q, batch.cos, batch.sin)
             k = self.rotary.apply(k, batch.cos, batch.sin)
         if self.qk_norm_eps is not None:
-            q, k = rms_normalize(q, self.qk_norm_eps), rms_normalize(k, self.qk_norm_eps)
-        if self.temperature_tuning:
-            q = (q * batch.temperature).to(q.dtype)
-        return q, k, v
+            k = rms_normalize(k, self.qk_norm_eps)
+        return k, v
 
     def attend(
         self,
