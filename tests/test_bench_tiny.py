@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -140,6 +141,17 @@ def test_a_llama_cpp_child_killed_mid_run_costs_its_row_not_the_bench(trained, t
     assert [m.contender.engine for m in measured] == ["redline"] and len(measured[0].runs) == 4
     assert len(failures) == 1 and "child_2.py" in failures[0] and "signal 9" in failures[0]
     assert fake.child is None
+
+
+def test_a_llama_cpp_child_that_stops_answering_is_killed_and_named(tmp_path, monkeypatch):
+    monkeypatch.setattr(llamacpp, "ANSWER_S", 0.5)
+    monkeypatch.setattr(llamacpp, "WAIT_S", 0.5)  # then killed: it ignores its stdin closing
+    script = tmp_path / "silent.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    start = time.perf_counter()
+    with pytest.raises(llamacpp.LlamaCppFailed, match="no answer within 0.5 s"):
+        llamacpp.Child(tmp_path, 64, 1, [sys.executable, str(script)])
+    assert time.perf_counter() - start < 30
 
 
 def test_a_llama_cpp_child_that_answers_nonsense_fails_by_name(tmp_path):

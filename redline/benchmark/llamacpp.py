@@ -5,7 +5,7 @@ fixed-length completions timed token by token like the other engines.
 Two files per GGUF model: the file itself (e.g. the shipped Q4_1) and an F16 copy written from its
 dequantized tensors (models/gguf_f16.py): the weights redline runs, in llama.cpp's best unquantized form.
 
-Each file runs in a child process (`python -m redline.benchmark.llamacpp`, one JSON line per completion, in
+Each file runs in a child process (this file as a script, one JSON line per completion, in
 and out), alive from loading the file to the bench's last completion, so that it takes turns with the other
 engines: a crash inside llama.cpp (a build whose AMX kernels fault on this CPU, say) costs that row, not the
 benchmark.
@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import subprocess
 import sys
 import tempfile
@@ -24,7 +25,8 @@ from pathlib import Path
 from statistics import median
 from typing import TextIO
 
-WAIT_S = 30.0  # seconds a child may take to exit once told to (or to report a crash) before it is killed
+WAIT_S = 30.0  # seconds a child may take to exit once told to before it is killed
+ANSWER_S = 600.0  # seconds a child may take to load its file or to complete a prompt before it is killed
 
 
 def available() -> bool:
@@ -86,14 +88,14 @@ class Child:
         self.path = path
         # the child's stderr, read back only on failure; open until close()
         self.errors = tempfile.TemporaryFile(mode="w+", errors="replace")  # noqa: SIM115
-        try:
+        try:  # this file as a script: the child imports neither redline nor torch before serve() runs
             self.process = subprocess.Popen(
-                command or [sys.executable, "-m", "redline.benchmark.llamacpp"], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=self.errors, text=True, errors="replace",
+                command or [sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=self.errors, text=True, errors="replace",
             )  # fmt: skip
-        except OSError:
+        except OSError as e:
             self.errors.close()
-            raise
+            raise LlamaCppFailed(f"llama.cpp failed on {path} (no child process: {e})") from e
         self._ask({"path": str(path), "context": context, "threads": threads}, "ready")
 
     def complete(self, prompt: list[int], n: int) -> tuple[list[int], float, float]:
@@ -101,38 +103,43 @@ class Child:
         return answer["tokens"], answer["ttft_s"], answer["rate"]
 
     def _ask(self, request: dict, *keys: str) -> dict:
-        """The child's answer to `request`: a JSON object holding `keys`."""
+        """The child's answer to `request` within ANSWER_S: a JSON object holding `keys`."""
+        line, timed_out = "", False
         try:
             self.process.stdin.write(json.dumps(request) + "\n")
             self.process.stdin.flush()
-            line = self.process.stdout.readline()
+            # one line per request, so nothing sits read ahead in the stream's buffer: the pipe tells
+            if select.select([self.process.stdout], [], [], ANSWER_S)[0]:
+                line = self.process.stdout.readline()
+            else:
+                timed_out = True
         except BrokenPipeError:
-            line = ""
+            pass
         try:
             answer = json.loads(line) if line else None
         except ValueError:
             answer = None
         if isinstance(answer, dict) and all(key in answer for key in keys):
             return answer
-        said = f"answered {line.strip()[:80]!r}" if line else self._how()
+        self._end()  # before its last words are read: it writes no more
+        code = self.process.returncode
+        if line:
+            said = f"answered {line.strip()[:80]!r}"
+        elif timed_out:
+            said = f"no answer within {ANSWER_S:g} s"
+        else:
+            said = f"signal {-code}" if code < 0 else f"exit status {code}"
         failure = f"llama.cpp failed on {self.path} ({said}): {self._last_words()}"
-        self.close()
+        self.errors.close()
         raise LlamaCppFailed(failure)
-
-    def _how(self) -> str:
-        try:
-            code = self.process.wait(timeout=WAIT_S)
-        except subprocess.TimeoutExpired:
-            return "stopped answering"
-        return f"signal {-code}" if code < 0 else f"exit status {code}"
 
     def _last_words(self) -> str:
         self.errors.seek(0)
         tail = self.errors.read().strip().splitlines()[-1:] or ["no output"]
         return tail[0]
 
-    def close(self) -> None:
-        """Ends the child (its stdin closed: it exits; killed if it has not within WAIT_S)."""
+    def _end(self) -> None:
+        """Its stdin closed, the child exits; killed if it has not within WAIT_S."""
         for stream in (self.process.stdin, self.process.stdout):
             with contextlib.suppress(BrokenPipeError):
                 stream.close()
@@ -141,6 +148,9 @@ class Child:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+    def close(self) -> None:
+        self._end()
         self.errors.close()
 
 
@@ -177,5 +187,6 @@ def serve(lines: TextIO) -> None:
         answer({"tokens": tokens, "ttft_s": ttft, "rate": rate})
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # run as a script: its folder, first on sys.path, holds no package (run.py, ...)
+    sys.path.pop(0)
     serve(sys.stdin)

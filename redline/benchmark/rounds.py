@@ -1,5 +1,5 @@
 """Engines measured in turns: all loaded at once, then each prompt, repeat after repeat, completed by every
-engine in a row, so that the machine's drift (a VM's bandwidth moved 35 -> 66 GB/s within minutes on the
+engine in a row, so that the machine's drift (a VM's bandwidth moved 33 -> 66 GB/s within minutes on the
 2-core machine of BENCHMARKS.md) falls on all of them alike. Example, 2 prompts, 2 repeats, engines A and
 B: A p0, B p0, A p1, B p1, then the second round starting from B: B p0, A p0, B p1, A p1. Each engine's
 runs come out repeat after repeat, prompt after prompt, so runs[i] of A and of B are the same prompt in
@@ -10,6 +10,7 @@ one engine's memory at a time."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from redline.benchmark.llamacpp import LlamaCppFailed
 SHARE_OF_MEMORY = 0.7  # the engines load together only while their weights take at most this much
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a failed one is removed from the live list
 class Measured:
     contender: Contender
     runs: list[Timed] = field(default_factory=list)  # repeat after repeat, prompt after prompt
@@ -40,8 +41,9 @@ def in_turns(
     failures: list[str] = []
     for group in [contenders] if together else [[c] for c in contenders]:
         live: list[Measured] = []
-        try:
+        with contextlib.ExitStack() as closing:  # each closed, even when another's close raises
             for c in group:
+                closing.callback(c.close)
                 m = _opened(c, prompts[0], max_tokens, failures)
                 live += [m] if m is not None else []
             _rounds(live, prompts, max_tokens, repeats, "engines in turns" if together else group[0].engine,
@@ -49,9 +51,6 @@ def in_turns(
             for m in live:
                 m.row = m.contender.row(m.runs, prompts)
             measured += live
-        finally:
-            for c in group:
-                c.close()
     return measured, failures
 
 
@@ -64,8 +63,9 @@ def _rounds(
     failures: list[str],
 ) -> None:
     """The completions, repeat after repeat, prompt after prompt, each by every live engine in a row; the
-    engine that goes first moves on by one each round (A B C, then B C A, ...) so that whatever running
-    right after another engine costs falls on each in turn. An engine that fails leaves `live`."""
+    engine that goes first moves on by one each round (A B C, then B C A, ...), so that going first, right
+    after the previous prompt's last engine, falls on each in turn (with as many repeats as engines; the
+    order within a row stays cyclic). An engine that fails leaves `live`."""
     with tqdm(total=repeats * len(prompts) * len(live), desc=label, unit="completion") as bar:
         for r in range(repeats):
             for prompt in prompts:

@@ -5,8 +5,8 @@ A step of k = K costs c times a step of k = 0 (c measured: the median wall time 
 TIMED steps at each batch bucket: single steps on a shared machine stray by tens of percent, while c is
 1.1-1.4 at batch 1 on 2 CPU cores) and yields, for every slot, one token plus the drafts it accepts.
 With a_s the recent accepted drafts per step of slot s (a moving average over its steps that verified
-fresh drafts), the
-batch of n slots produces n + sum(a_s) tokens in time c against n tokens in time 1, so it drafts when
+fresh drafts), the batch of n slots produces n + sum(a_s) tokens in time c against n tokens in time 1, so
+it drafts when
 
     sum(a_s) > (c - 1) * n.
 
