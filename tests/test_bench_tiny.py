@@ -41,6 +41,8 @@ def test_bench_writes_json_and_plot(trained, tmp_path):
         assert 0 < r["tps_user_min"] <= r["tps_user_median"] <= r["tps_user_max"]
         expected = sorted(a / b for a, b in zip(r["rates"], plain["rates"], strict=True))
         assert r["x_plain"] == pytest.approx(sum(expected) / 2)  # the median of 2 paired ratios
+        over_hf = [a / b for a, b in zip(r["rates"], runs[0]["rates"], strict=True)]
+        assert r["x_hf"] == pytest.approx(sum(over_hf) / 2)
         assert r["ttft_s_median"] > 0
         assert r["tokens_equal_plain"]  # greedy: speculation is lossless
         if r["engine"].startswith("redline+eagle3"):

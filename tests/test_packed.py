@@ -107,7 +107,8 @@ def test_the_lookup_of_a_packed_table_is_the_table_s_rows():
 def test_what_cannot_be_packed_stays_as_it_is_and_still_computes(tmp_path, tokenizer_dir):
     """head_dim 80 with one kv head (k and v of 80 rows: the fused q/k/v stays [N, K], its parts views of
     it), gate/up of 48 rows each (stays), a vocabulary of 100 (the tied table stays): the model packs
-    what it can (o, down) and its logits are those of the unpacked model within bf16 rounding."""
+    what it can (o, down) and its logits are those of the unpacked model within bf16 rounding; k and v alone
+    (project_kv) are those of the whole projection."""
     from conftest import build_hf_model, llama3_hf_config, save_hf_model
 
     config = llama3_hf_config(
@@ -118,10 +119,15 @@ def test_what_cannot_be_packed_stays_as_it_is_and_still_computes(tmp_path, token
     chosen = Backends.choose("cpu", torch.bfloat16, compiled=False)
     plain, packed = (load_target(model_dir, torch.bfloat16, backends=b) for b in (TORCH, chosen))
     layer = packed.model.layers[0]
-    assert not is_packed(layer.self_attn.qkv_weight) and not is_packed(layer.mlp.gate_up_weight)
-    assert layer.self_attn.k_proj.weight.data_ptr() > layer.self_attn.qkv_weight.data_ptr()
+    attention = layer.self_attn
+    assert not is_packed(attention.qkv_weight) and not is_packed(layer.mlp.gate_up_weight)
+    assert attention.k_proj.weight.data_ptr() > attention.qkv_weight.data_ptr()
+    # q_proj (160 rows, packable alone) stays a view of the fused weight, not a packed copy nobody reads
+    assert not is_packed(attention.q_proj.weight)
+    assert attention.q_proj.weight.data_ptr() == attention.qkv_weight.data_ptr()
     assert is_packed(layer.self_attn.o_proj.weight) and is_packed(layer.mlp.down_proj.weight)
     assert not is_packed(packed.lm_head.weight) and packed.lm_head.weight is packed.model.embed_tokens.weight
+    assert_keys_alone_equal_the_whole(packed, hidden=160, kv_shape=(1, 80))
     tokens = torch.randint(0, 100, (1, 12))
     with torch.no_grad():
         want, got = (m.logits(m(tokens, torch.arange(12)[None])[0]) for m in (plain, packed))
@@ -163,20 +169,25 @@ def test_keys_and_values_alone_are_those_of_the_whole_projection():
     """project_kv (a draft's upkeep on a step that proposes nothing: attention.write_keys) multiplies only
     k_proj's and v_proj's rows of the fused weight, packed or not, and gives project's k and v bit for bit:
     each output is its own sum in both."""
-    from redline.layers.attention import AttentionBatch
-
     target = gguf_model_dir(smollm2_gguf(), torch.bfloat16, progress=False)
     chosen = Backends.choose("cpu", torch.bfloat16, compiled=False)
     for backends, packed in ((chosen, True), (replace(chosen, packed_weights=False), False)):
         model = load_target(target, torch.bfloat16, backends=backends)
-        attention = model.model.layers[3].self_attn
-        assert is_packed(attention.qkv_weight) == packed
-        for rows in (1, 4):
-            x = torch.randn(2, rows, 576).bfloat16()
-            positions = 100 + torch.arange(rows)[None].expand(2, -1) + torch.tensor([[0], [37]])
-            batch = AttentionBatch.build(model.config, model.model.rotary, positions, positions, None)
-            with torch.no_grad():
-                _, k, v = attention.project(x, batch)
-                k_alone, v_alone = attention.project_kv(x, batch)
-            assert k_alone.shape == k.shape == (2, rows, 3, 64) and v_alone.shape == v.shape
-            assert torch.equal(k_alone, k) and torch.equal(v_alone, v)
+        assert is_packed(model.model.layers[3].self_attn.qkv_weight) == packed
+        assert_keys_alone_equal_the_whole(model, hidden=576, kv_shape=(3, 64))
+
+
+def assert_keys_alone_equal_the_whole(model, hidden: int, kv_shape: tuple[int, int]) -> None:
+    """Layer 0's project_kv against project's k and v, bit for bit, on 1 and 4 rows at two positions."""
+    from redline.layers.attention import AttentionBatch
+
+    attention = model.model.layers[0].self_attn
+    for rows in (1, 4):
+        x = torch.randn(2, rows, hidden).bfloat16()
+        positions = 100 + torch.arange(rows)[None].expand(2, -1) + torch.tensor([[0], [37]])
+        batch = AttentionBatch.build(model.config, model.model.rotary, positions, positions, None)
+        with torch.no_grad():
+            _, k, v = attention.project(x, batch)
+            k_alone, v_alone = attention.project_kv(x, batch)
+        assert k_alone.shape == k.shape == (2, rows, *kv_shape) and v_alone.shape == v.shape
+        assert torch.equal(k_alone, k) and torch.equal(v_alone, v)

@@ -174,9 +174,11 @@ def run_bench(model_dir: Path, draft: Path | None, ks: list[int], s: BenchSettin
     bound = roofline(weight_bytes, before_gbps)
     runs = [summary(m, prompts) for m in measured]
     reference = next(r["tokens"] for r in runs if r["engine"] == "redline")  # the first redline plain run
+    hf = next((r for r in runs if r["engine"] == "hf"), None)
     for run in runs:
         run["tokens_equal_plain"] = run.pop("tokens") == reference  # greedy: every engine should agree
         run["x_plain"] = paired_ratio(run, plain_of(runs, run))
+        run["x_hf"] = paired_ratio(run, hf) if hf else None
         bytes_per_step = run.get("weight_bytes", bound["weight_bytes"])
         run["roofline_pct"] = 100 * run["tps_user_median"] * bytes_per_step / (bound["bandwidth_gbps"] * 1e9)
     settings = {**s.__dict__, "gguf_files": [str(p) for p in s.gguf_files], "model": str(model_dir),

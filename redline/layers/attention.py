@@ -271,8 +271,7 @@ class Attention(nn.Module):
         """k, v [B, T, kv_heads, head_dim] as `project` gives them, without multiplying the queries: the
         fused weight's rows past q_proj's (k_proj's then v_proj's). Its first dimension counts rows, or
         blocks of 32 rows when packed: q's share of it is q_out / (q_out + 2 kv_out), e.g. 576 / 960 of 960
-        rows or of 30 blocks (q_proj's own weight may be packed apart when k's and v's rows are not
-        multiples of 32)."""
+        rows or of 30 blocks."""
         b, t, _ = x.shape
         if self.qkv_weight is None:
             return self._keys_values(self.k_proj(x), self.v_proj(x), batch, b, t)

@@ -29,10 +29,12 @@ def pack_weights(model: nn.Module) -> None:
     weights were packed when fused (linear.fuse_weights); the parts of one left [N, K] (several weights on
     one storage) stay as they are."""
     owners: dict[int, tuple[torch.Tensor, list[nn.Module]]] = {}  # id of a weight -> (it, who holds it)
+    linears = {id(m.weight): m.weight for m in model.modules() if isinstance(m, Linear)}
     for module in model.modules():
         if isinstance(module, Linear) and packable(module.weight):
             owners.setdefault(id(module.weight), (module.weight, []))[1].append(module)
-    weights_of_storage = Counter(w.untyped_storage().data_ptr() for w, _ in owners.values())
+    # every linear's weight counts, packable or not: q_proj (160 rows) beside k and v of 80 is a part too
+    weights_of_storage = Counter(w.untyped_storage().data_ptr() for w in linears.values())
     for key, (weight, _) in list(owners.items()):
         if weights_of_storage[weight.untyped_storage().data_ptr()] > 1:  # parts of a fused weight
             del owners[key]
