@@ -3,6 +3,10 @@ bf16 compiled on CPU at batch 1 and 16, plain vs EAGLE-3 K = 3 with adaptive dra
 every step (BENCHMARKS.md "Adaptive draft length"; issue 27's target: adaptive >= 0.97x plain).
 
     .venv/bin/python benchmarks/adaptive_k.py [--draft DIR] [--tokens 128] [--rounds 3] [--batches 1,16]
+        [--tree TOPK,NODES]
+
+With --tree the two drafting engines draft trees (topk TOPK, NODES rows, 3 levels) rather than the chain,
+and the results go to adaptive_k_tree.json.
 
 The draft is a random EAGLE-3 head (draft vocabulary 8,192), accepted next to never, unless --draft names
 one (the demo's, say: then the rows show what adaptation costs or gains with a draft that is accepted).
@@ -62,8 +66,17 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batches", default="1,16")
-    parser.add_argument("--json", type=Path, default=MAIN / "benchmarks/results/adaptive_k.json")
+    parser.add_argument("--tree", help="TOPK,NODES: the drafting engines draft trees")
+    parser.add_argument("--json", type=Path, help="default: benchmarks/results/adaptive_k(_tree).json")
     args = parser.parse_args()
+    results_file = args.json or MAIN / f"benchmarks/results/adaptive_k{'_tree' if args.tree else ''}.json"
+    drafting, name = {}, "K=3"
+    if args.tree:
+        topk, nodes = (int(x) for x in args.tree.split(","))
+        drafting, name = (
+            dict(speculative_eagle_topk=topk, speculative_num_draft_tokens=nodes),
+            f"tree {topk}x{nodes}",
+        )
     target = smollm2_dir(torch.bfloat16)
     machine = describe()
     print(json.dumps(machine), flush=True)
@@ -75,9 +88,9 @@ def main() -> None:
         )
         engines = {
             "plain": LLM(target, **common),
-            "K=3 adaptive": LLM(target, draft=draft, num_draft_tokens=3, **common),
-            "K=3 every step": LLM(
-                target, draft=draft, num_draft_tokens=3, adaptive_draft_length=False, **common
+            f"{name} adaptive": LLM(target, draft=draft, num_draft_tokens=3, **drafting, **common),
+            f"{name} every step": LLM(
+                target, draft=draft, num_draft_tokens=3, adaptive_draft_length=False, **drafting, **common
             ),
         }
         prompts = prompts_of(engines["plain"], max(batches))
@@ -102,11 +115,11 @@ def main() -> None:
             tps, decode = (f"{median(row[key]):.1f} | {ratio(row, key):.3f}" for key in ("tps", "decode_tps"))
             print(f"| {batch} | {name} | {tps} | {decode} | {shown} |")
     record = {"machine": machine, "tokens": args.tokens, "rounds": args.rounds,
-              "draft": str(args.draft or "random"), "date": time.strftime("%Y-%m-%d"),
+              "draft": str(args.draft or "random"), "tree": args.tree, "date": time.strftime("%Y-%m-%d"),
               "results": results}  # fmt: skip
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {args.json}")
+    results_file.parent.mkdir(parents=True, exist_ok=True)
+    results_file.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {results_file}")
 
 
 if __name__ == "__main__":

@@ -44,18 +44,17 @@ class TreeShape:
         return max(self.nodes - 1, self.steps + self.frontier_slots)
 
 
-def tree_of(topk: int, steps: int, nodes: int | None, draft_alone: bool) -> TreeShape | None:
+def tree_of(topk: int, steps: int, nodes: int | None, with_draft: bool) -> TreeShape | None:
     """The tree speculative options ask for (SpeculativeConfig's topk, num_speculative_tokens,
-    num_draft_tokens; draft_alone: an EAGLE-3 draft without n-gram lookup), None for a chain (topk 1, and
-    num_draft_tokens None or K + 1 as SGLang spells a chain). ValueError naming what does not fit."""
+    num_draft_tokens; with_draft: an EAGLE-3 draft, with or without n-gram lookup beside it), None for a
+    chain (topk 1, and num_draft_tokens None or K + 1 as SGLang spells a chain). ValueError naming what does
+    not fit."""
     if topk < 1:
         raise ValueError(f"topk must be at least 1, got {topk}")
     if topk == 1 and nodes in (None, steps + 1):
         return None
-    if not draft_alone:
-        raise ValueError(
-            "draft trees (topk > 1, num_draft_tokens) need an EAGLE-3 draft without n-gram lookup"
-        )
+    if not with_draft:
+        raise ValueError('draft trees (topk > 1, num_draft_tokens) need an EAGLE-3 draft (method "eagle3")')
     if topk == 1:
         raise ValueError("num_draft_tokens sizes a draft tree: give topk > 1 (topk 1 is the chain, "
                          "num_draft_tokens K + 1)")  # fmt: skip

@@ -270,8 +270,8 @@ class SpeculativeConfig:
     @property
     def tree(self) -> TreeShape | None:
         """The draft tree's shape where topk > 1: depth K, num_draft_tokens rows (default 2K)."""
-        alone = self.method == "eagle3" and self.prompt_lookup_max is None
-        return tree_of(self.topk, self.num_speculative_tokens, self.num_draft_tokens, alone)
+        with_draft = self.method == "eagle3"
+        return tree_of(self.topk, self.num_speculative_tokens, self.num_draft_tokens, with_draft)
 
     @property
     def lookup(self) -> tuple[int, int] | None:

@@ -12,7 +12,7 @@ import pytest
 from redline.benchmark import llamacpp
 from redline.benchmark.contenders import LlamaCppContender, RedlineContender
 from redline.benchmark.rounds import in_turns
-from redline.benchmark.run import BenchSettings, contenders_of
+from redline.benchmark.run import BenchSettings, contenders_of, redline_rows, speculation_of
 from redline.cli import main
 from redline.train.draft import held_out_prompts
 
@@ -53,6 +53,23 @@ def test_bench_writes_json_and_plot(trained, tmp_path):
         else:
             assert r["acceptance_length"] is None and r["draft_share"] is None
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_rows_put_lookup_beside_the_chain_and_every_tree():
+    settings = BenchSettings(ngram=(2, 4), trees=((4, 8),))
+    rows = redline_rows(Path("d"), [1, 3], settings)
+    names = [(speculation_of(draft, lookup, tree)[0] if k else "redline", k) for k, draft, lookup, tree
+             in rows]  # fmt: skip
+    assert names == [
+        ("redline", 0),
+        ("redline+eagle3", 1), ("redline+eagle3 tree 4x5", 1), ("redline+ngram", 1),
+        ("redline+eagle3+ngram", 1), ("redline+eagle3+ngram tree 4x5", 1),
+        ("redline+eagle3", 3), ("redline+eagle3 tree 4x8", 3), ("redline+ngram", 3),
+        ("redline+eagle3+ngram", 3), ("redline+eagle3+ngram tree 4x8", 3),
+    ]  # fmt: skip
+    _, options = speculation_of(Path("d"), (2, 4), (4, 8))
+    assert options == {"draft": Path("d"), "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 8,
+                       "prompt_lookup_min": 2, "prompt_lookup_max": 4}  # fmt: skip
 
 
 def test_bench_rejects_bad_draft_lengths(trained, capsys):

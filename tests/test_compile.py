@@ -40,21 +40,28 @@ def test_a_run_through_every_bucket_compiles_nothing(llama3_pair, drafting):
     greedy tokens equal the eager engine's. EAGLE-3 alone: two slots (rows 1 and 2: slot 1 busy keeps rows
     at 2), every step drafting. Beside it n-gram lookup (its history sliced to the unbacked kv_len; lookup
     alone runs the same code without the draft): one slot, adaptive, steps that verify no drafts forced
-    every third step. A draft tree (topk 2, 5 rows): two slots, every step drafting its tree."""
+    every third step. A draft tree (topk 2, 5 rows) beside n-gram lookup: two slots, adaptive, steps that
+    verify no drafts forced every third step."""
     target, draft = llama3_pair
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()  # unique_graphs counts from here
     spec = {
         "eagle3": dict(draft=draft, max_batch=2, adaptive_draft_length=False),
         "eagle3+ngram": dict(draft=draft, prompt_lookup_max=3, max_batch=1),
-        "tree": dict(draft=draft, max_batch=2, speculative_eagle_topk=2, speculative_num_draft_tokens=5),
+        "tree": dict(
+            draft=draft,
+            max_batch=2,
+            speculative_eagle_topk=2,
+            speculative_num_draft_tokens=5,
+            prompt_lookup_max=3,
+        ),
     }[drafting]
     kw = dict(dtype="float32", max_seq_len=CONTEXT, num_draft_tokens=3, **spec)
     llm = LLM(target, compile=True, progress=False, **kw)
     runner = llm.runner
     graphs_after_warm_up = unique_graphs()
-    # (rows, sampling, k) for the step: 2 x 2 x 1 or 1 x 2 x 2; prefill: one row (and several rows)
-    assert graphs_after_warm_up == 4 + (1 if drafting == "eagle3+ngram" else 2)
+    # (rows, sampling, k) for the step: 2 x 2 x 1, 1 x 2 x 2 or 2 x 2 x 2; prefill: one row (and several rows)
+    assert graphs_after_warm_up == {"eagle3": 4 + 2, "eagle3+ngram": 4 + 1, "tree": 8 + 2}[drafting]
     visited = set()
     step = runner.run_step
 

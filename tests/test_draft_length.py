@@ -17,7 +17,8 @@ from redline.engine.draft_length import (
     DraftLength,
 )
 from redline.kernels.paged_kv import BLOCK
-from redline.runner.one_slot import fill_slot
+from redline.runner.one_slot import fill_slot, release_slot
+from redline.speculative.deferred_keys import DEFERRED
 from redline.train.random_init import write_random_draft
 
 
@@ -160,25 +161,38 @@ def pair(tmp_path_factory, tokenizer_dir):
     return target, write_random_draft(target, root / "d", draft_vocab=200)
 
 
-def draft_keys(runner, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Slot 0's draft keys and values at positions [0, upto): [upto, kv_heads, head_dim] each."""
+def draft_keys(runner, upto: int, slot: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slot's draft keys and values at positions [0, upto): [upto, kv_heads, head_dim] each."""
     positions = torch.arange(upto)
-    blocks = runner.cache.table[0, positions // BLOCK].long()
+    blocks = runner.cache.table[slot, positions // BLOCK].long()
     k, v = runner.slots.draft_cache.layers[0]
     return k[blocks, :, positions % BLOCK], v[blocks, :, positions % BLOCK]
 
 
+def clear(cache) -> None:
+    for keys, values in cache.layers:
+        keys.zero_()
+        values.zero_()
+
+
 @torch.inference_mode()
-def test_steps_without_drafts_keep_the_draft_cache_whole(pair):
+@pytest.mark.parametrize("ending", ["drafting", "flushed", "a tree drafting"])
+def test_steps_without_drafts_keep_the_draft_cache_whole(pair, ending):
     """The draft's keys and values after steps that verify K drafts and steps that verify none, mixed
-    at random, equal those of K-only steps at every position both runs have settled (the token after it
-    known), and so do the tokens: a step without drafts writes the draft's keys as a drafting one does."""
+    at random with a run of 3 x DEFERRED + 5 steps without drafts (three full rings and a part), equal
+    those of K-only steps at every position both runs have settled (the token after it known), and so do
+    the tokens: the keys a step without drafts defers are written by the next drafting step or, when the
+    run ends without one, by the pass a compiled twin's takeover makes (write_deferred_keys). The same with
+    a draft tree (topk 2, 6 rows)."""
     target, draft = pair
-    llm = LLM(target, dtype="float32", max_batch=1, max_seq_len=256, draft=draft, num_draft_tokens=3)
+    tree = dict(speculative_eagle_topk=2, speculative_num_draft_tokens=6) if "tree" in ending else {}
+    llm = LLM(target, dtype="float32", max_batch=1, max_seq_len=256, draft=draft, num_draft_tokens=3, **tree)
     runner, prompt = llm.runner, torch.randint(5, 384, (40,)).tolist()
-    pattern = (torch.rand(60) < 0.5).tolist()
+    pattern = (torch.rand(30) < 0.5).tolist() + [False] * (3 * DEFERRED + 5)
+    pattern += [True] if ending.endswith("drafting") else []
     runs = []
-    for kinds in ([True] * 60, pattern):
+    for kinds in ([True] * len(pattern), pattern):
+        clear(runner.slots.draft_cache)  # nothing left from the run before
         fill_slot(runner, prompt, positions=256)
         tokens = []
         for drafting in kinds:
@@ -186,23 +200,91 @@ def test_steps_without_drafts_keep_the_draft_cache_whole(pair):
             out = runner.run_step(1, kv_len, False, 3 if drafting else 0)[0].tolist()
             tokens += out[: out[-1] + 1]
         settled = int(runner.state.pos[0])  # the row at pos - 1 knows its next token
+        runner.write_deferred_keys()  # what the ring still holds (nothing after a drafting step)
         runs.append((tokens, settled, [t.clone() for t in draft_keys(runner, settled)]))
+        release_slot(runner)
     (want, n_want, kv_want), (got, n_got, kv_got) = runs
     n = min(len(want), len(got))
     assert got[:n] == want[:n]
     upto = min(n_want, n_got)
+    assert upto > 40 + 3 * DEFERRED
     for a, b in zip(kv_want, kv_got, strict=True):
         torch.testing.assert_close(b[:upto], a[:upto], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("drafting", ["eagle3", "ngram", "eagle3+ngram"])
+@torch.inference_mode()
+def test_deferred_keys_land_in_each_slots_own_blocks(pair):
+    """Three slots at different positions, the batch bucket holding a free row, 20 steps without drafts
+    then one that drafts: each slot's draft keys equal those of a run that drafted at every step, and
+    the blocks no slot holds are untouched."""
+    target, draft = pair
+    llm = LLM(target, dtype="float32", max_batch=8, max_seq_len=256, draft=draft, num_draft_tokens=3)
+    runner = llm.runner
+    slots = {0: 40, 1: 17, 3: 63}  # slot -> prompt length; slot 2 stays free
+    prompts = {slot: torch.randint(5, 384, (n,)).tolist() for slot, n in slots.items()}
+    keys = {}
+    unheld = 2 * runner.shapes.blocks_for(runner.shapes.cache_len)  # fill_slot's first block of slot 2
+    for drafting in (True, False):
+        clear(runner.slots.draft_cache)
+        for slot, prompt in prompts.items():
+            fill_slot(runner, prompt, slot=slot, positions=256)
+        for drafting_step in [drafting] * 20 + [True]:
+            kv_len = runner.shapes.kv_len_for(int(runner.state.pos[:4].max()))
+            runner.run_step(4, kv_len, False, 3 if drafting_step else 0)
+        keys[drafting] = {slot: draft_keys(runner, n + 20, slot) for slot, n in slots.items()}
+        for slot in slots:
+            release_slot(runner, slot)
+    assert not runner.slots.draft_cache.layers[0][0][unheld].any()
+    for slot in slots:
+        for got, want in zip(keys[False][slot], keys[True][slot], strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@torch.inference_mode()
+def test_a_released_requests_deferred_keys_are_never_written(pair):
+    """A request that ends after steps without drafts leaves entries in the ring; its slot's next request
+    holds the same blocks (fill_slot), and a pass after it comes in must not write the old request's keys
+    into them: the next request's draft cache stays empty past its own prompt and drafting step."""
+    target, draft = pair
+    llm = LLM(target, dtype="float32", max_batch=1, max_seq_len=256, draft=draft, num_draft_tokens=3)
+    runner = llm.runner
+    fill_slot(runner, torch.randint(5, 384, (40,)).tolist(), positions=256)
+    for _ in range(5):  # entries at positions 40..44
+        runner.run_step(1, runner.shapes.kv_len_for(int(runner.state.pos[0])), False, 0)
+    release_slot(runner)
+    clear(runner.slots.draft_cache)
+    fill_slot(runner, torch.randint(5, 384, (10,)).tolist(), positions=256)
+    runner.run_step(1, runner.shapes.kv_len_for(int(runner.state.pos[0])), False, 3)  # flushes first
+    keys, values = draft_keys(runner, 64)
+    assert keys[:10].any() and values[:10].any()  # the new prompt's
+    assert not keys[20:].any() and not values[20:].any()
+
+
+@torch.inference_mode()
+def test_a_trees_step_without_drafts_leaves_copies_of_the_bonus_token(pair):
+    """After a tree step (its nodes below the root's children too), a step that drafts nothing leaves the
+    next tree as N - 1 copies of its bonus token, each a child of the root."""
+    target, draft = pair
+    llm = LLM(target, dtype="float32", max_batch=1, max_seq_len=256, draft=draft, num_draft_tokens=3,
+              speculative_eagle_topk=2, speculative_num_draft_tokens=6)  # fmt: skip
+    runner, state = llm.runner, llm.runner.state
+    fill_slot(runner, torch.randint(5, 384, (30,)).tolist(), positions=256)
+    for k in (3, 0):
+        out = runner.run_step(1, runner.shapes.kv_len_for(int(state.pos[0])), False, k)[0].tolist()
+        assert state.parents[0].any() == (k > 0)
+    assert out[-1] == 0 and state.pending[0].tolist() == [out[0]] * 6
+
+
+@pytest.mark.parametrize("drafting", ["eagle3", "ngram", "eagle3+ngram", "tree"])
 def test_greedy_output_is_plain_whichever_steps_draft(pair, drafting):
-    """Batch 1 and 4; the steps that draft nothing are forced at random."""
+    """Batch 1 and 4; the steps that draft nothing are forced at random (a tree's step without drafts leaves
+    copies of the bonus token as the next tree's nodes)."""
     target, draft = pair
     spec = {
         "eagle3": dict(draft=draft),
         "ngram": dict(speculative_method="ngram"),
         "eagle3+ngram": dict(draft=draft, prompt_lookup_max=3),
+        "tree": dict(draft=draft, speculative_eagle_topk=2, speculative_num_draft_tokens=6),
     }[drafting]
     llm = LLM(target, dtype="float32", max_batch=4, num_draft_tokens=3, **spec)
     plain = LLM(target, dtype="float32", max_batch=4)

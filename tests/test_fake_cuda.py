@@ -38,6 +38,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from redline.config import ModelConfig
 from redline.draft_tree import TreeShape
+from redline.kernels.attention_core import STEP_QUERIES
 from redline.layers.backends import Backends
 from redline.logprobs import width
 from redline.models.eagle3 import Eagle3Draft, default_aux_layers, draft_config_for
@@ -197,18 +198,21 @@ def test_prefill_and_steps_on_fake_cuda(fake_cuda, family, k):
 
 
 @in_child
-def test_a_draft_tree_on_fake_cuda(fake_cuda):
-    """A draft tree (topk 4, 8 rows): its steps run on the device with the split-KV kernel under the
-    tree's mask (8 rows: no prefill kernel), nothing on the host, the chain's output layout."""
+@pytest.mark.parametrize("nodes", [8, 16])
+def test_a_draft_tree_on_fake_cuda(fake_cuda, nodes):
+    """A draft tree (topk 4): its steps run on the device, nothing on the host, the chain's output layout.
+    Its verification takes the split-KV kernel under the tree's mask at 8 rows, and at 16 rows (more than
+    the split-KV tile holds: Backends.tree_rows) the prefill kernel under that mask."""
     model, draft = fake_model(LLAMA3, draft=True)
-    runner = fake_runner(model, draft, 3, PROMPT + 64, tree=TreeShape(topk=4, steps=3, nodes=8))
+    runner = fake_runner(model, draft, 3, PROMPT + 64, tree=TreeShape(topk=4, steps=3, nodes=nodes))
     prefill_log, step_log = OpLog(), OpLog()
     *_, step1_greedy, step1_sampling, step4_greedy, step4_sampling = serve(runner, prefill_log, step_log)
     logprobs = 4 * width(model.config.vocab_size)
     for out, rows, extra in [(step1_greedy, 1, 0), (step1_sampling, 1, logprobs), (step4_greedy, 4, 0),
                              (step4_sampling, 4, logprobs)]:  # fmt: skip
         assert out.shape == (rows, 3 + 2 + extra) and out.device == CUDA
-    assert "redline::decode_attention" in step_log.ops and "redline::prefill_attention" not in step_log.ops
+    assert "redline::decode_attention" in step_log.ops  # the draft's expansions, and an 8-row tree
+    assert ("redline::prefill_attention" in step_log.ops) == (nodes > STEP_QUERIES)
     assert_on_device(prefill_log, step_log)
 
 

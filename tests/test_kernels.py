@@ -180,10 +180,42 @@ def test_prefill_attention(b, t, hq, hkv, kv_len, chunk, block_m, block_n, dtype
     q, k_cache, v_cache, positions, tables = _prefill_inputs(
         b, t, hq, hkv, kv_len, 16, dtype, cache_dtype, b * 1000 + t
     )
-    got = prefill_attention(q, k_cache, v_cache, positions, tables, kv_len, chunk, block_m, block_n)
+    got = prefill_attention(q, k_cache, v_cache, positions, tables, kv_len, chunk, block_m=block_m,
+                            block_n=block_n)  # fmt: skip
     expected = prefill_attention_reference(q, k_cache, v_cache, positions, tables, kv_len, chunk)
     assert got.dtype == dtype and got.shape == q.shape
     torch.testing.assert_close(got, expected, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize(
+    "t, steps, first", [(16, 3, 0), (40, 6, 0), (63, 8, 0), (12, 4, 36)]
+)  # 63: every slot of draft_tree.TREE_SLOTS; first 36: a draft frontier past earlier steps' slots
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_attention_over_a_token_tree(t, steps, first, dtype):
+    """A tree of more rows than the decode kernel's tile holds (CUDA's Backends.tree_rows) takes the
+    prefill kernel under its mask: random trees per row of the batch at random bases, the rows at slots
+    base + first + row (the positions attention passes; a draft frontier of topk 12 at its fourth step sits
+    at base + 36 .., its ancestors at lower slots), 16 x 16 tiles (several query tiles and key blocks, one
+    straddling the base), GQA 2, against the reference under attention_core.tree_visible."""
+    from test_tree import random_parents
+
+    from redline.speculative.tree import structure
+
+    b, hq, hkv, d, kv_len = 2, 4, 2, 16, 120
+    gen = torch.Generator().manual_seed(t)
+    q = torch.randn(b, t, hq, d, generator=gen).to(DEVICE, dtype)
+    k_cache, v_cache, tables = paged(*torch.randn(2, b, hkv, kv_len + 8, d, generator=gen).unbind(0), gen)
+    k_cache, v_cache, tables = k_cache.to(DEVICE, dtype), v_cache.to(DEVICE, dtype), tables.to(DEVICE)
+    base = torch.randint(1, kv_len - t - first, (b,), generator=gen).to(DEVICE)
+    _, bits = structure(random_parents(b, first + t, steps), steps)  # rows [first, first + t) queried
+    bits = bits[:, first:].contiguous().to(DEVICE)
+    positions = base[:, None] + first + torch.arange(t, device=DEVICE)
+    got = prefill_attention(q, k_cache, v_cache, positions, tables, kv_len, 0, base, bits, block_m=16,
+                            block_n=16)  # fmt: skip
+    expected = prefill_attention_reference(q, k_cache, v_cache, positions, tables, kv_len, 0, base, bits)
+    torch.testing.assert_close(got, expected, atol=TOL[dtype], rtol=TOL[dtype])
+    causal = prefill_attention_reference(q, k_cache, v_cache, positions, tables, kv_len)
+    assert not torch.allclose(expected, causal, atol=TOL[dtype]), "the tree's mask must differ from causal"
 
 
 def test_prefill_attention_at_4000_tokens():

@@ -111,6 +111,8 @@ def chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
         (1.0, 0.0, PENALTIES, "eagle3, every third step drafting nothing"),
         (1.0, 0.0, None, "tree"),
         (0.8, 0.0, PENALTIES, "tree"),
+        (1.0, 0.0, PENALTIES, "tree, every third step drafting nothing"),
+        (1.0, 0.0, PENALTIES, "tree+ngram"),
     ],
 )
 def test_sampled_tokens_follow_the_target_distribution(tiny_vocab_pair, top_p, min_p, penalties, drafting):
@@ -118,17 +120,25 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_vocab_pair, top_p, m
     n-gram proposal is deterministic (q a one-hot on it); beside the draft, rows with a 1-gram match take
     it and the others the draft's sampled proposals, so both kinds of q meet in one batch. Steps that draft
     nothing (adaptive draft length, forced here every third step) leave the bonus token pending as a
-    deterministic proposal, which the next drafting step verifies. A draft tree's nodes are the draft's top
-    tokens, tried in turn at each level (multi-draft rejection sampling: tree_verify.py), each row
-    penalized for the nodes above it."""
+    deterministic proposal, which the next drafting step verifies (with a tree: copies of it as the tree's
+    nodes). A draft tree's nodes are the draft's top tokens, tried in turn at each level (multi-draft
+    rejection sampling: tree_verify.py), each row penalized for the nodes above it; beside n-gram lookup,
+    rows with a 1-gram match put its chain ahead of the tree's best nodes."""
     target_dir, draft_dir = tiny_vocab_pair
     spec = {
         "eagle3": dict(draft=draft_dir),
         "ngram": dict(speculative_method="ngram", prompt_lookup_min=1, prompt_lookup_max=2),
         "eagle3+ngram": dict(draft=draft_dir, prompt_lookup_min=1, prompt_lookup_max=1),
         "tree": dict(draft=draft_dir, speculative_eagle_topk=3, speculative_num_draft_tokens=10),
-    }.get(drafting, dict(draft=draft_dir))
-    alternate = drafting.startswith("eagle3,")
+        "tree+ngram": dict(
+            draft=draft_dir,
+            speculative_eagle_topk=3,
+            speculative_num_draft_tokens=10,
+            prompt_lookup_min=1,
+            prompt_lookup_max=1,
+        ),
+    }[drafting.split(",")[0]]
+    alternate = ", every third step" in drafting
     llm = LLM(target_dir, dtype="float32", max_batch=32, num_draft_tokens=2, adaptive_draft_length=alternate,
               **spec)  # fmt: skip
     if alternate:

@@ -178,12 +178,13 @@ def test_greedy_with_a_tree_equals_plain_decoding(trained, k, topk, nodes, batch
     """The tiny target and its trained draft: tokens equal plain greedy decoding (up to an fp32 near tie),
     prompts of several lengths over `batch` slots, with drafts accepted past the first level. Then the
     logits path (penalties and log-probabilities): the tokens of penalized greedy decoding, and the same
-    log-probabilities, the path's rows gathered from the tree's."""
+    log-probabilities, the path's rows gathered from the tree's. Every step drafts (adaptive draft length
+    off: tests/test_draft_length.py mixes in steps without drafts)."""
     target, draft = trained / "target", trained / "draft"
     kw = dict(dtype="float32", max_batch=batch, max_seq_len=256)
     plain = LLM(target, **kw)
     tree = LLM(target, draft=draft, num_draft_tokens=k, speculative_eagle_topk=topk,
-               speculative_num_draft_tokens=nodes, **kw)  # fmt: skip
+               speculative_num_draft_tokens=nodes, adaptive_draft_length=False, **kw)  # fmt: skip
     vocab = plain.model.config.vocab_size
     prompts = [torch.randint(3, vocab, (n,)).tolist() for n in (5, 17, 40, 9, 23)]
     greedy = SamplingParams(max_tokens=60, ignore_eos=True)
@@ -262,11 +263,11 @@ def test_the_config_spells_trees_as_sglang_and_vllm_do():
     assert EngineConfig.create("m", draft="d", speculative_eagle_topk=3).speculative.tree == TreeShape(
         3, 3, 6
     )
+    assert SpeculativeConfig(model="d", topk=2, prompt_lookup_max=3).tree == TreeShape(2, 3, 6)  # n-gram too
     for given, message in [
         (dict(model="d", topk=2, num_draft_tokens=40), r"num_draft_tokens 40 must lie in \[2, 11\]"),
         (dict(model="d", num_draft_tokens=8), "give topk > 1"),
-        (dict(method="ngram", topk=2), "need an EAGLE-3 draft without n-gram lookup"),
-        (dict(model="d", topk=2, prompt_lookup_max=3), "need an EAGLE-3 draft without n-gram lookup"),
+        (dict(method="ngram", topk=2), r'need an EAGLE-3 draft \(method "eagle3"\)'),
         (dict(model="d", topk=0), "topk must be at least 1"),
     ]:
         with pytest.raises(ValueError, match=message):

@@ -1,7 +1,8 @@
 """`redline bench`: HF generate, redline plain decode and redline + EAGLE-3 for each K, in one process, on the
 same weights, prompts, dtype and thread count; batch 1, greedy, fixed-length completions. With `ngram`, n-gram
 lookup rows too: redline+ngram for each K, and beside a draft redline+eagle3+ngram; with `trees`, the draft as
-each tree of depth K too (redline+eagle3 tree TOPKxNODES).
+each tree of depth K too (redline+eagle3 tree TOPKxNODES; with `ngram` also redline+eagle3+ngram tree
+TOPKxNODES).
 
 Prompts: windows of `prompt_len` tokens cut from the stdlib held-out files, or with `data` the first whole
 prompts of a held-out set (HumanEval raw; ShareGPT's first user turn in the chat template). Every engine is
@@ -71,13 +72,13 @@ def speculation_of(
     draft: Path | None, lookup: tuple[int, int] | None, tree: tuple[int, int] | None = None
 ) -> tuple[str, dict]:
     """A row's engine name and its LLM options: the draft (as a chain or a tree), n-gram lookup, or both."""
+    ngram = {} if lookup is None else {"prompt_lookup_min": lookup[0], "prompt_lookup_max": lookup[1]}
     if tree is not None:
         topk, nodes = tree
         options = {"draft": draft, "speculative_eagle_topk": topk, "speculative_num_draft_tokens": nodes}
-        return f"redline+eagle3 tree {topk}x{nodes}", options
+        return f"redline+eagle3{'+ngram' if ngram else ''} tree {topk}x{nodes}", {**options, **ngram}
     if lookup is None:
         return ("redline+eagle3", {"draft": draft}) if draft else ("redline", {})
-    ngram = {"prompt_lookup_min": lookup[0], "prompt_lookup_max": lookup[1]}
     if draft:
         return "redline+eagle3+ngram", {"draft": draft, **ngram}
     return "redline+ngram", {"speculative_method": "ngram", **ngram}
@@ -87,14 +88,15 @@ def redline_rows(
     draft: Path | None, ks: list[int], s: BenchSettings
 ) -> list[tuple[int, Path | None, tuple[int, int] | None, tuple[int, int] | None]]:
     """(K, draft, n-gram lookup, tree) of every redline row: plain (K 0), then per K the draft's chain, its
-    trees, n-gram lookup, and the draft with n-gram lookup."""
+    trees, n-gram lookup, and the draft with n-gram lookup (as a chain and as each tree)."""
     rows = [(0, None, None, None)]
     for k in ks:
-        rows += [(k, draft, None, None)] if draft else []
         # each tree cut to what k levels draft, once (4x8 and 4x5 at K = 1 are both 4x5)
-        rows += [(k, draft, None, t) for t in dict.fromkeys(tree_at(k, t) for t in s.trees)] if draft else []
+        trees = list(dict.fromkeys(tree_at(k, t) for t in s.trees)) if draft else []
+        rows += [(k, draft, None, None)] if draft else []
+        rows += [(k, draft, None, t) for t in trees]
         rows += [(k, None, s.ngram, None)] if s.ngram else []
-        rows += [(k, draft, s.ngram, None)] if draft and s.ngram else []
+        rows += [(k, draft, s.ngram, t) for t in [None, *trees]] if draft and s.ngram else []
     return rows
 
 

@@ -15,9 +15,10 @@ are not. Both variants are compiled (or captured) at start-up (Shapes.variants),
 compiles. Tokens stay plain decoding's either way (greedy: identical; sampled: the same distribution),
 but a sampled token is drawn differently by a drafting step and by one that drafts nothing, so a batch
 holding a request that samples with a seed always drafts: its tokens stay the same alone or batched. A
-step of k = 0 keeps every drafter's state whole (the draft's keys at the new position; n-gram proposals
-from the updated history), so acceptance is whole again from the second drafting step on (the first
-verifies what the step without drafts left pending: with an EAGLE-3 draft, the bonus token copied).
+step of k = 0 keeps every drafter's state whole (the draft's keys at the new position, written 16 steps
+at a time: speculative/deferred_keys.py; n-gram proposals from the updated history), so acceptance is
+whole again from the second drafting step on (the first verifies what the step without drafts left
+pending: with an EAGLE-3 draft, the bonus token copied).
 
 Estimates of slots that have not drafted lately go stale: after `probe` steps without drafting the
 batch drafts for two steps (the first verifies what a step without drafts left pending, the bonus token

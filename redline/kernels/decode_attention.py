@@ -30,6 +30,7 @@ from torch.library import triton_op
 from triton.language.extra.cuda import gdc_wait
 
 from redline.kernels.launch import is_interpreted, traceable
+from redline.kernels.tree_mask import tree_seen
 
 
 # ints that change from call to call: not specialized (Triton would compile a variant for values that are
@@ -106,10 +107,8 @@ def _split_kernel(
         kv_offsets = block[:, None] * stride_kb + h * stride_kh + row + dims[None, :]
         k = tl.load(k_ptr + kv_offsets, mask=n_ok[:, None], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale  # [BLOCK_M, BLOCK_N]
-        if TREE:  # attention_core.tree_visible, its 63 slots (draft_tree.TREE_SLOTS)
-            past_base = n[None, :] - tree_base  # [1, BLOCK_N]
-            bit = (tree_bits[:, None] >> tl.minimum(tl.maximum(past_base, 0), 62).to(tl.int64)) & 1
-            seen = (past_base < 0) | ((past_base < 63) & (bit == 1))
+        if TREE:
+            seen = tree_seen(n, tree_base, tree_bits)
         else:
             seen = (n[None, :] <= q_pos[:, None]) & (n[None, :] >= lowest[:, None])
         visible = n_ok[None, :] & seen & row_ok[:, None]

@@ -21,6 +21,11 @@ in base 2 (scores pre-multiplied by log2(e)). Example: BLOCK_M = BLOCK_N = 64, q
 128..191, chunk 0: key blocks 0, 64, 128 (192 and beyond are invisible to every row), three of the
 kv_len / 64 blocks.
 
+A token tree of more rows than the decode kernel's tile holds (a verification tree, or the draft's frontier
+at topk >= 10: speculative/tree.py) comes here too, under the tree's mask (attention_core.tree_visible):
+each row sees every key before the base and its ancestors' slots. Its positions are the rows' cache slots,
+each past its ancestors', so the loop runs over [0, the last row's slot] as for a causal prompt.
+
 Products run on tensor cores in the query's dtype (bf16 / fp16; FP8 keys and values are upcast to it)
 with fp32 accumulation, as flash-attention does. fp32 queries (tests) multiply as "tf32x3": three
 TF32 tensor-core products that keep ~fp32 accuracy (plain fp32 FMA tiles spill registers: 6.8 KB of
@@ -39,6 +44,7 @@ from torch.library import triton_op
 
 from redline.kernels.attention_core import decode_attention_reference
 from redline.kernels.launch import is_interpreted, traceable
+from redline.kernels.tree_mask import tree_seen
 
 LOG2E = 1.4426950408889634
 
@@ -51,9 +57,13 @@ def prefill_attention_reference(
     tables: torch.Tensor,  # [B, blocks per sequence] int32
     kv_len: int,
     chunk: int = 0,
+    tree_base: torch.Tensor | None = None,  # [B] with tree_bits [B, T]: a token tree's mask (tree_visible)
+    tree_bits: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [B, T, Hq, D]
     """SDPA over the rows' cache positions, fp32: the same function as the decode kernel's reference."""
-    return decode_attention_reference(q, k_cache, v_cache, positions, tables, kv_len, chunk)
+    return decode_attention_reference(
+        q, k_cache, v_cache, positions, tables, kv_len, chunk, tree_base, tree_bits
+    )
 
 
 # ints that change from prompt to prompt: not specialized (Triton would compile a variant for values that
@@ -65,6 +75,8 @@ def _prefill_kernel(
     v_ptr,
     pos_ptr,
     table_ptr,
+    tree_base_ptr,  # [B] with TREE: a token tree's first slot
+    tree_bits_ptr,  # [B, T] int64 with TREE: bit j set -> the row sees slot base + j
     out_ptr,
     stride_qb,  # q and out: contiguous [B, T, Hq, D]
     stride_qt,
@@ -85,6 +97,7 @@ def _prefill_kernel(
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,  # of fp32 products: "tf32x3" (tensor cores, ~fp32 accuracy), "ieee"
     INTERPRETED_LEN: tl.constexpr,  # kv_len under the interpreter, 0 compiled (see the loop)
+    TREE: tl.constexpr,  # the rows are a token tree: keys before its base, then their ancestors' slots
 ):
     tile, bh = tl.program_id(0), tl.program_id(1)
     b, head = bh // num_heads, bh % num_heads
@@ -101,6 +114,9 @@ def _prefill_kernel(
     # the keys any row of this tile can see: [lo, hi), lo aligned down to a key block
     hi = tl.minimum(tl.max(q_pos) + 1, kv_len)
     lo = tl.min(tl.where(row_ok, lowest, kv_len))
+    if TREE:  # positions are the rows' slots, each past its ancestors' (chunk 0: lo = 0)
+        tree_base = tl.load(tree_base_ptr + b).to(tl.int32)
+        tree_bits = tl.load(tree_bits_ptr + b * num_tokens + rows, mask=row_ok, other=0)  # [BLOCK_M] int64
     lo = lo - lo % BLOCK_N
     if INTERPRETED_LEN:
         # the interpreter's range() takes no runtime bound (int() of its 1-element scalars, refused by
@@ -121,7 +137,11 @@ def _prefill_kernel(
         kv_offsets = block[:, None] * stride_kb + (head // G) * stride_kh + row + dims[None, :]
         k = tl.load(k_ptr + kv_offsets, mask=n_ok[:, None], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        visible = n_ok[None, :] & (n[None, :] <= q_pos[:, None]) & (n[None, :] >= lowest[:, None])
+        if TREE:
+            seen = tree_seen(n, tree_base, tree_bits)
+        else:
+            seen = (n[None, :] <= q_pos[:, None]) & (n[None, :] >= lowest[:, None])
+        visible = n_ok[None, :] & seen
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
@@ -144,12 +164,16 @@ def prefill_attention(
     tables: torch.Tensor,
     kv_len: int,
     chunk: int = 0,
+    tree_base: torch.Tensor | None = None,  # [B] with tree_bits [B, T]: a token tree's mask (tree_visible)
+    tree_bits: torch.Tensor | None = None,
     block_m: int = 64,
     block_n: int = 64,
 ) -> torch.Tensor:
     """Same arguments and result as prefill_attention_reference; the caches share strides and are
     contiguous in their last dimension. T and kv_len may be SymInts (the compiled prefill's dynamic
-    prompt length)."""
+    prompt length). With tree_base and tree_bits: a token tree of more rows than the decode kernel's tile
+    holds (Backends.tree_rows)."""
+    tree = tree_base is not None and tree_bits is not None
     q = q.contiguous()  # interleaved RoPE leaves head_dim strided
     b, t, hq, d = q.shape
     out = torch.empty_like(q)
@@ -161,6 +185,8 @@ def prefill_attention(
         v_cache,
         positions.contiguous(),
         tables,
+        tree_base.contiguous() if tree else positions,  # unread without TREE
+        tree_bits.contiguous() if tree else positions,
         out,
         q.stride(0),
         q.stride(1),
@@ -181,6 +207,7 @@ def prefill_attention(
         DOT_FP32=fp32 or interpreted,
         PRECISION="tf32x3" if fp32 and not interpreted else "ieee",  # 16-bit products ignore it
         INTERPRETED_LEN=kv_len if interpreted else 0,
+        TREE=tree,
         num_warps=8 if wide else 4,
         num_stages=2 if fp32 else 3,
     )

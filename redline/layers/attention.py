@@ -53,8 +53,8 @@ class AttentionBatch:
     write_at: tuple[torch.Tensor, torch.Tensor] | None
     # eager CPU with several rows: (kv bucket, row indices) groups for Attention._attend_by_length
     key_groups: tuple[tuple[int, torch.Tensor], ...] | None
-    # a token tree's (TreeMask) base [B] and ancestor bits [B, T]: full_mask is theirs, and the decode
-    # kernels take them (the prefill kernel, causal by position, does not apply)
+    # a token tree's (TreeMask) base [B] and ancestor bits [B, T]: full_mask is theirs, and the cached
+    # attention kernels take them (positions then hold the rows' slots)
     tree_base: torch.Tensor | None = None
     tree_bits: torch.Tensor | None = None
 
@@ -167,7 +167,7 @@ class Attention(nn.Module):
         # split-KV for a decode step's few queries, flash-attention forward for prompts. Which one is a
         # Python branch on the static query count (see forward).
         self.step_kernel = backends.decode_attention
-        self.tree_rows = backends.tree_rows  # a tree of more rows takes the core
+        self.tree_rows = backends.tree_rows  # a tree of more rows takes the prefill kernel, or the core
         self.prefill_kernel = backends.prefill_attention
         self.core = backends.attention_core  # over gathered keys and values
         self.few_rows, self.fuse = backends.few_rows, backends.fused_projections and not config.attention_bias
@@ -196,8 +196,9 @@ class Attention(nn.Module):
             # is a dynamic dimension >= 16, which this comparison only guards (> 9), never splits.
             kernel = self.step_kernel if x.shape[1] <= STEP_QUERIES else self.prefill_kernel
             assert batch.tables is not None
-            if batch.tree:  # a token tree: the decode kernel under its mask, for a step's few rows
-                kernel = self.step_kernel if x.shape[1] <= self.tree_rows else None
+            if batch.tree:  # a token tree under its mask: the decode kernel for a step's few rows, else the
+                # prompt kernel (CUDA; None on CPU: the core over the gathered cache)
+                kernel = self.step_kernel if x.shape[1] <= self.tree_rows else self.prefill_kernel
                 if kernel is not None:
                     out = kernel(q, *cache, batch.positions, batch.tables, batch.kv_len, 0, batch.tree_base,
                                  batch.tree_bits)  # fmt: skip

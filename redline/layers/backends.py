@@ -47,8 +47,8 @@ from redline.kernels.attention_core import STEP_QUERIES, attention_by_reductions
 from redline.layers.linear import FewRows, streamed_rows, weight_times_xt
 
 # (q [B, T, Hq, D], k_cache, v_cache [blocks, Hkv, BLOCK, D], positions [B, T], tables [B, n] int32, kv_len,
-#  chunk) -> [B, T, Hq, D]: attention of the T queries over positions [0, kv_len) of their block tables; a
-#  decode kernel also takes a token tree's tree_base [B] and tree_bits [B, T] after chunk (its mask instead)
+#  chunk) -> [B, T, Hq, D]: attention of the T queries over positions [0, kv_len) of their block tables; the
+#  kernels also take a token tree's tree_base [B] and tree_bits [B, T] after chunk (its mask instead)
 CachedAttention = Callable[..., torch.Tensor]
 # (q [B, T, Hq, D], keys, values [B, Hkv, S, D], mask [B or 1, 1, T, S] bool) -> [B, T, Hq, D]
 AttentionCore = Callable[..., torch.Tensor]
@@ -85,7 +85,8 @@ class Backends:
     dense_layer: DenseLayer | None = None  # a dense layer's decode step in one call; None: the layer's ops
     packed_weights: bool = False  # linear weights packed for few_rows once loaded (layers/packed.py)
     # a token tree's rows that decode_attention (and dense_layer) take under its mask; a larger tree takes
-    # the core over the gathered cache (and the layer's ops), whose arithmetic differs from a plain step's
+    # prefill_attention under its mask where there is one (CUDA), else the core over the gathered cache (and
+    # the layer's ops), whose arithmetic differs from a plain step's
     tree_rows: int = STEP_QUERIES
 
     @classmethod

@@ -129,6 +129,7 @@ class BackgroundCompile:
         compiled, self._compiled = self._compiled, None
         assert compiled is not None
         with torch.inference_mode():
+            self.runner.write_deferred_keys()  # the twin's ring starts empty
             compiled.slots.copy_from(self.runner.slots)
         self.runner = compiled
         self._say(f"compiled in {self.compile_s:.0f} s: decoding on the compiled path from now on")

@@ -28,6 +28,7 @@ from redline.runner.plan import DecodeBatch, DecodeResult, Shapes, StageError, S
 from redline.runner.prefill import DevicePrefill, Prefill
 from redline.runner.slots import DeviceSlots
 from redline.sampling import SamplingTensors
+from redline.speculative.deferred_keys import DEFERRED, DeferredKeys
 from redline.speculative.emit import Emitter
 from redline.speculative.step import DecodeState, DecodeStep
 from redline.speculative.tree_step import TreeDecodeStep
@@ -59,8 +60,7 @@ class ModelRunner:
                              "lookup")  # fmt: skip
         self.model, self.draft, self.shapes = model, draft, shapes
         param = next(model.parameters())
-        self.device = param.device
-        kv_dtype = kv_cache_dtype or param.dtype
+        self.device, kv_dtype = param.device, kv_cache_dtype or param.dtype
         configs = [model.config] + ([draft.config.layer] if draft is not None else [])
         self.block_bytes = sum(
             2 * c.num_layers * c.num_kv_heads * BLOCK * c.head_dim * kv_dtype.itemsize for c in configs
@@ -73,6 +73,10 @@ class ModelRunner:
         state = DecodeState.empty(shapes.slots, shapes.k, model.config.vocab_size, draft_vocab, self.device,
                                   history_len, nodes)  # fmt: skip
         sampling = SamplingTensors.zeros(shapes.slots, self.device)
+        # steps without drafts leave the draft's keys to a pass every DEFERRED of them (deferred_keys.py)
+        self.deferred = DeferredKeys.for_draft(draft, shapes.slots, 0 in shapes.variants, self.device)
+        self._deferred_steps = self._deferred_rows = 0  # such steps since the last pass; their widest batch
+        self._flushed = False  # the last step began with that pass (its time is not the step's)
         if kv_of is None:
             self.num_blocks = self._pool_blocks(kv_cache_memory, gpu_memory_utilization)
         else:
@@ -92,7 +96,7 @@ class ModelRunner:
         self.slots = DeviceSlots(cache, draft_cache, state, sampling)
         emitter = Emitter(model, draft, shapes.k, shapes.ngram, shapes.tree)
         step = DecodeStep if shapes.tree is None else TreeDecodeStep
-        self.step = step(emitter, cache, draft_cache, state, sampling)
+        self.step: DecodeStep = step(emitter, cache, draft_cache, state, sampling, self.deferred)
         self.compiled_prefill = self.compiled_step = self.graphed_step = None
         forward = lambda tokens, positions, tables, kv_len: model(
             tokens, positions, cache.layers, tables, kv_len
@@ -108,8 +112,8 @@ class ModelRunner:
             self._run_step = self.graphed_step = GraphedStep(self._run_step, state)
         self.prefill = Prefill(emitter, forward, self.slots, shapes)
         pin = self.device.type == "cuda" and torch.cuda.is_available()
-        k = shapes.k
-        width = k + 2 + (k + 1) * logprobs.width(model.config.vocab_size)  # the logits path's output
+        k = shapes.k  # the logits path's output: K + 2 columns, then K + 1 tokens' log-probabilities
+        width = k + 2 + (k + 1) * logprobs.width(model.config.vocab_size)
         self._host_tokens = torch.zeros((shapes.slots, k + 2), dtype=torch.int64, pin_memory=pin)
         self._launched = 0.0  # when the last decode step was launched (perf_counter)
         self._host_logprobs = torch.zeros((shapes.slots, width), dtype=torch.int64, pin_memory=pin)
@@ -119,7 +123,28 @@ class ModelRunner:
         """The decode step over slots [0, rows) verifying k drafts (None: K) as the engine runs it: eager
         (`step`), compiled or captured. Returns what DecodeStep does: [rows, K + 2 (+ the packed logprobs
         on the logits path)]."""
-        return self._run_step(rows, kv_len, any_sampling, self.shapes.k if k is None else k)
+        k = self.shapes.k if k is None else k
+        self._flushed = False
+        if self.deferred is not None:
+            if self._deferred_steps and (k > 0 or self._deferred_steps == DEFERRED):
+                self.write_deferred_keys()  # a drafting step attends to them; or the ring is full
+                self._flushed = True
+            if k == 0:  # counted first: a step that raises may have kept its entries
+                self._deferred_steps += 1
+                self._deferred_rows = max(self._deferred_rows, rows)
+        return self._run_step(rows, kv_len, any_sampling, k)
+
+    @torch.inference_mode()
+    def write_deferred_keys(self) -> None:
+        """The draft's keys that steps without drafts left for later, written now (eagerly: one pass every
+        DEFERRED steps costs less than its own graphs' compile and warm-up)."""
+        if not self._deferred_steps:
+            return
+        assert self.deferred is not None and self.draft is not None and self.slots.draft_cache is not None
+        cache = self.slots.cache
+        self.deferred.flush(self.draft, self.slots.draft_cache.layers[0], cache.table, cache.scratch_block,
+                            self._deferred_rows)  # fmt: skip
+        self._deferred_steps, self._deferred_rows = 0, 0
 
     @property
     def cache(self) -> KVCache:
@@ -163,6 +188,8 @@ class ModelRunner:
         "prefill", "decode step" (carrying the prefill's results), or "read" when reading the results back
         failed after the device ran everything (the device state is then unknown)."""
         try:
+            if plan.released and self.deferred is not None:  # their requests' keys are never read again
+                self.deferred.drop(plan.released)
             self.slots.apply(plan)
         except Exception as error:
             raise StageError("setup") from error
@@ -183,7 +210,8 @@ class ModelRunner:
         try:
             results = self._read_prefill(plan, prefilled)
             decoded = None if plan.decode is None else self._read_decode(plan.decode, launched)
-            if decoded is not None and plan.prefill is not None:  # queued prefill work would be in its time
+            # queued prefill work, or the deferred keys' pass, would be in its time
+            if decoded is not None and (plan.prefill is not None or self._flushed):
                 decoded.seconds = None
         except Exception as error:
             raise StageError("read") from error

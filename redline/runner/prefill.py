@@ -13,7 +13,8 @@ final: its last real row (index 7) gives slot 5's first new token.
 
 EAGLE-3: the draft's row at position p reads the token at p + 1. For every row of a chunk that token is
 known (the next token of the sequence, and for the last row of a final chunk the first new token), so
-every chunk also runs the draft over its rows, and a final chunk continues into the K proposals.
+every chunk also writes the draft's keys at its rows, and a final chunk runs the draft's layer over its
+last row and continues into the K proposals.
 The first tokens and proposals come from the same Emitter as every decode step (speculative/emit.py).
 """
 
@@ -93,7 +94,7 @@ class Prefill:
         if not any(c.final for c in chunks):  # keys and values only: no first token, no proposals yet
             if draft is not None and slots.draft_cache is not None and aux is not None:
                 layer = slots.draft_cache.layers[0]
-                draft(padded.next_tokens, draft.fuse(aux), padded.positions, layer, tables, padded.kv_len)
+                draft.write_keys(padded.next_tokens, draft.fuse(aux), padded.positions, layer, tables)
             return DevicePrefill(None, None, prompt)
         return self._first_tokens(batch, padded, rows, tables, hidden, aux, prompt)
 
@@ -121,7 +122,7 @@ class Prefill:
             reach = max(c.end for c in chunks) + self.shapes.reach + 2
             kv_len = min(max(padded.kv_len, reach), self.shapes.cache_len)
             draft_inputs = DraftInputs(aux, padded.next_tokens, padded.positions, last,
-                                       slots.draft_cache.layers[0], tables, kv_len)  # fmt: skip
+                                       slots.draft_cache.layers[0], tables, kv_len, one_row=True)  # fmt: skip
         no_drafts = torch.zeros((len(chunks), 0), dtype=torch.int64, device=slots.device)
         history = None if state.history is None else state.history[rows]  # [B, L], a copy: written back
         e = self.emit(h_last, no_drafts, None, position, slots.sampling.take(rows), counts, seen, final,

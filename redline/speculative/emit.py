@@ -11,7 +11,8 @@ rank 0's decisions, so all ranks feed the same tokens to the next forward.
 Proposals come from the EAGLE-3 draft, from n-gram lookup in each row's own tokens (speculative/ngram.py),
 or from both: then each row takes the n-gram proposal where its tokens hold a match, the draft's elsewhere.
 An n-gram proposal is deterministic: its stored distribution is all zeros, which verification reads as a
-one-hot on the proposed token.
+one-hot on the proposed token. Beside a draft tree, a row with a match verifies the n-gram chain and the
+tree's first nodes that still fit.
 
 Example, K = 2, a decode row with pending [a, d1, d2] at positions [p, p + 1, p + 2]: the target's choices
 after a, d1, d2 are [d1, x, y] -> d1 accepted, d2 rejected (x != d2): tokens [d1, x, *], n_acc 1; the draft
@@ -34,6 +35,7 @@ from redline.sampling import SamplingTensors, filtered_probs
 from redline.speculative import ngram
 from redline.speculative.ngram import NgramRange
 from redline.speculative.propose import DraftInputs, propose, propose_tree
+from redline.speculative.tree import chain_into_tree
 from redline.speculative.verify import greedy_verify, rejection_verify
 
 
@@ -57,7 +59,7 @@ class Emitter:
         lookup: NgramRange | None = None,
         tree: TreeShape | None = None,
     ):
-        """k > 0 needs a draft, n-gram lookup or both; a tree (k = its steps) needs a draft alone."""
+        """k > 0 needs a draft, n-gram lookup or both; a tree (k = its steps) needs a draft."""
         self.target, self.draft, self.k, self.lookup, self.tree = target, draft, k, lookup, tree
         if draft is not None:  # draft id -> target id for the whole draft vocabulary (q on the target's)
             ids = torch.arange(draft.config.draft_vocab_size, device=draft.d2t.device)
@@ -127,7 +129,8 @@ class Emitter:
                 accepted, parents = accepted[:, 0], rest[0] if rest else None  # [B, T | 1 | K + 1 (| N)]
         if self.lookup is not None:
             assert history is not None
-            pending, probs = self._lookup(history, tokens, accepted, positions, emitting, pending, probs)
+            pending, probs, parents = self._lookup(history, tokens, accepted, positions, emitting, pending,
+                                                   probs, parents)  # fmt: skip
         return Emitted(tokens, accepted, pending, probs, packed, parents)
 
     def _lookup(
@@ -137,22 +140,29 @@ class Emitter:
         accepted: torch.Tensor,  # [B]
         positions: torch.Tensor,  # [B, T]
         emitting: torch.Tensor,  # [B]
-        pending: torch.Tensor,  # [B, 1] the bonus token, or [B, K + 1] with the draft's proposals
+        pending: torch.Tensor,  # [B, 1] the bonus token, or [B, K + 1] with the draft's proposals ([B, N]
+        # with a tree)
         probs: torch.Tensor | None,  # [B, K, V_draft] the draft's proposals' distributions
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        parents: torch.Tensor | None,  # [B, N] a draft tree's
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Records the emitted tokens in the rows' history, then proposes from it: the n-gram drafts
-        alone, or in place of the draft's where a row has a match."""
+        alone, or in place of the draft's where a row has a match; beside a tree, in front of its first
+        nodes (tree.chain_into_tree)."""
         new = (torch.arange(tokens.shape[1], device=tokens.device) <= accepted[:, None]) & emitting[:, None]
         ngram.record(history, tokens, positions, new)
         last = positions.gather(1, accepted[:, None])[:, 0] + 1  # [B] where the bonus token sits
         assert self.lookup is not None
         drafts, found = ngram.propose(history, last, self.k, self.lookup)
         if self.draft is None:
-            return torch.cat((pending, drafts), dim=1), None
+            return torch.cat((pending, drafts), dim=1), None, None
+        if parents is not None:
+            chained, chained_parents = chain_into_tree(pending, parents, drafts)
+            pending = torch.where(found[:, None], chained, pending)
+            return pending, None, torch.where(found[:, None], chained_parents, parents)
         pending = torch.cat((pending[:, :1], torch.where(found[:, None], drafts, pending[:, 1:])), dim=1)
         if probs is not None:  # an n-gram proposal's q is a one-hot (_draft_q): marked by zeros
             probs = torch.where(found[:, None, None], 0.0, probs)
-        return pending, probs
+        return pending, probs, None
 
     def _propose(
         self,
@@ -175,11 +185,11 @@ class Emitter:
         rows = inputs.first_row[:, None] + torch.arange(t, device=tokens.device)  # [B, T]
         known = inputs.next_tokens.gather(1, rows)
         next_tokens = inputs.next_tokens.scatter(1, rows, torch.where(emitting[:, None], tokens, known))
-        if not inputs.proposes:  # the draft's keys at the verified rows, then K copies of the bonus token
-            assert self.draft is not None
-            self.draft.write_keys(next_tokens, self.draft.fuse(inputs.aux), inputs.positions, inputs.cache,
-                                  inputs.tables)  # fmt: skip
-            return *self._no_proposals(tokens.gather(1, accepted[:, None]), any_sampling), None
+        if not inputs.proposes:  # the draft's keys at the verified rows kept for later, then copies of the
+            # bonus token; the keys are written DEFERRED steps at a time (speculative/deferred_keys.py)
+            assert inputs.deferred is not None
+            inputs.deferred.record(inputs.aux, next_tokens, inputs.positions, emitting)
+            return self._no_proposals(tokens.gather(1, accepted[:, None]), any_sampling)
         penalties = None
         if any_sampling:  # the proposals are penalized as verification will be
             assert counts is not None and seen is not None
@@ -197,16 +207,21 @@ class Emitter:
         self,
         bonus: torch.Tensor,  # [B, 1]
         any_sampling: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # drafts [B, K], probs [B, K, V_draft] zeros
-        """What a step that drafts nothing leaves pending: the bonus token K times, proposed
-        deterministically (zero distributions: a one-hot q), so a step that verifies them stays exact."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """What a step that drafts nothing leaves pending: drafts [B, K], the bonus token K times, proposed
+        deterministically (probs [B, K, V_draft] zeros: a one-hot q), so a step that verifies them stays
+        exact. With a tree: drafts [B, N - 1], N - 1 copies of it, each a child of the root (parents [B, N]
+        zeros; a tree's nodes are deterministic)."""
         assert self.draft is not None
+        if self.tree is not None:
+            parents = torch.zeros(bonus.shape[0], self.tree.nodes, dtype=torch.int64, device=bonus.device)
+            return bonus.expand(-1, self.tree.nodes - 1), None, parents
         probs = None
         if any_sampling:
             probs = torch.zeros(
                 bonus.shape[0], self.k, self.draft.config.draft_vocab_size, device=bonus.device
             )
-        return bonus.expand(-1, self.k), probs
+        return bonus.expand(-1, self.k), probs, None
 
     def _draft_q(
         self,

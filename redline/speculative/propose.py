@@ -12,6 +12,7 @@ from redline.models.eagle3 import Eagle3Draft
 from redline.models.llama import KVLayer
 from redline.penalties import penalize
 from redline.sampling import SamplingTensors, filtered_probs, sample_from
+from redline.speculative.deferred_keys import DeferredKeys
 from redline.speculative.tree import expand
 
 DRAFT_STREAM = 2  # random stream of draft sampling
@@ -29,7 +30,10 @@ class DraftInputs:
     cache: KVLayer  # the draft's KV layer
     tables: torch.Tensor  # [B, blocks per sequence] int32
     kv_len: int  # keys the draft attends: past its chain's last write
-    proposes: bool = True  # False: a step that drafts nothing keeps the draft's cache only (write_keys)
+    proposes: bool = True  # False: a step that drafts nothing keeps what the draft's keys need (deferred)
+    one_row: bool = False  # the draft's layer over the row the proposals continue from only, the other
+    # rows' keys written alone (a prefill's hundreds of rows: see draft_root)
+    deferred: DeferredKeys | None = None  # where such a step leaves it
 
 
 def propose(
@@ -77,11 +81,21 @@ def draft_root(
     row: torch.Tensor,  # [B]
 ) -> tuple[torch.Tensor, torch.Tensor]:  # h [B, 1, H], position [B, 1]
     """The draft's pass over the forward's rows (writing its cache there), and its hidden state and position
-    at the row the proposals continue from: the row at p predicts the token at p + 2."""
-    positions = inputs.positions
-    hidden = draft(next_tokens, draft.fuse(inputs.aux), positions, inputs.cache, inputs.tables, inputs.kv_len)
-    h = hidden.gather(1, row[:, None, None].expand(-1, 1, hidden.shape[-1]))  # [B, 1, H]
-    return h, positions.gather(1, row[:, None])
+    at the row the proposals continue from: the row at p predicts the token at p + 2.
+
+    With inputs.one_row, every row's keys are written first (fc and the k/v products only) and the layer
+    runs over that one row, which attends to them: the same hidden state, without the attention and the
+    MLP of rows whose outputs nobody reads (a prefill of 300 rows: 299 of them)."""
+    positions, fused = inputs.positions, draft.fuse(inputs.aux)  # [B, L], [B, L, H]
+    at_row = row[:, None]  # [B, 1]
+    if inputs.one_row:
+        draft.write_keys(next_tokens, fused, positions, inputs.cache, inputs.tables)
+        fused = fused.gather(1, at_row[..., None].expand(-1, 1, fused.shape[-1]))  # [B, 1, H]
+        next_tokens, positions = next_tokens.gather(1, at_row), positions.gather(1, at_row)
+        return draft(next_tokens, fused, positions, inputs.cache, inputs.tables, inputs.kv_len), positions
+    hidden = draft(next_tokens, fused, positions, inputs.cache, inputs.tables, inputs.kv_len)
+    h = hidden.gather(1, at_row[..., None].expand(-1, 1, hidden.shape[-1]))  # [B, 1, H]
+    return h, positions.gather(1, at_row)
 
 
 def on_draft_vocabulary(

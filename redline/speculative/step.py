@@ -4,7 +4,8 @@ A pure function of device tensors with static shapes (no host sync, no data-depe
 compiles with fullgraph=True and captures as one CUDA graph. Without a drafter (an EAGLE-3 draft, n-gram
 lookup or both) it is plain decoding (K = 0: pending holds just the last token). With one, a step verifies
 k drafts: K, or 0 (adaptive draft length, engine/draft_length.py: the target over each slot's last token,
-the draft's keys written at it, n-gram proposals still made), each k its own graph.
+the draft's keys written at it or, with `deferred`, what they need kept for a later pass
+(speculative/deferred_keys.py), n-gram proposals still made), each k its own graph.
 
 state, one row per slot:
   pending [S, K + 1]  the last emitted token, then K draft tokens
@@ -28,6 +29,7 @@ import torch
 
 from redline.models.kv_cache import KVCache
 from redline.sampling import SamplingTensors
+from redline.speculative.deferred_keys import DeferredKeys
 from redline.speculative.emit import Emitter
 from redline.speculative.propose import DraftInputs
 
@@ -86,10 +88,11 @@ class DecodeStep:
         draft_cache: KVCache | None,
         state: DecodeState,
         sampling: SamplingTensors,
+        deferred: DeferredKeys | None = None,  # steps without drafts defer the draft's keys to it
     ):
         self.emit, self.target, self.k = emitter, emitter.target, emitter.k
         self.cache, self.draft_cache = cache, draft_cache
-        self.state, self.sampling = state, sampling
+        self.state, self.sampling, self.deferred = state, sampling, deferred
 
     def __call__(self, rows: int, kv_len: int, any_sampling: bool, k: int | None = None) -> torch.Tensor:
         """k: the drafts this step verifies, K or 0 (a step that drafts nothing: the target over each
@@ -111,7 +114,7 @@ class DecodeStep:
             assert aux is not None
             first_row = torch.zeros_like(pos)  # every row of the forward emits: k + 1 verified positions
             draft_inputs = DraftInputs(aux, pending, positions, first_row, self.draft_cache.layers[0], tables,
-                                       kv_len, proposes=k > 0)  # fmt: skip
+                                       kv_len, proposes=k > 0, deferred=self.deferred)  # fmt: skip
         draft_probs = None if st.draft_probs is None else st.draft_probs[:rows, :k]
         counts, seen = st.counts[:rows], st.seen[:rows]
         history = None if st.history is None else st.history[:rows, :kv_len]  # every position it writes
@@ -121,6 +124,8 @@ class DecodeStep:
         st.pos[:rows] = pos + (e.accepted + 1) * active
         if e.draft_probs is not None and st.draft_probs is not None:
             st.draft_probs[:rows] = e.draft_probs
+        if e.parents is not None and st.parents is not None:  # a tree's step that drafted nothing
+            st.parents[:rows] = torch.where(active[:, None], e.parents, st.parents[:rows])
         # k < K: the output as wide as K's, so the host reads one layout ([x, 0, 0, 0, n_acc] for k 0, K 3)
         tokens = torch.nn.functional.pad(e.tokens, (0, full - k))
         out = torch.cat((tokens, e.accepted[:, None]), dim=1)

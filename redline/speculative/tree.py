@@ -106,6 +106,25 @@ def expand(
     return tokens, torch.cat((root, parents), dim=1), kept_scores
 
 
+def chain_into_tree(
+    pending: torch.Tensor,  # [B, N] the root, then the tree's nodes (parents before children)
+    parents: torch.Tensor,  # [B, N]
+    chain: torch.Tensor,  # [B, K] a chain of proposals after the root (n-gram lookup's)
+) -> tuple[torch.Tensor, torch.Tensor]:  # pending [B, N], parents [B, N]
+    """The tree with the chain in front: rows 1..c the chain (c = min(K, N - 1), each row the child of the
+    one before), then the tree's first N - 1 - c nodes, their parents moved down by c (propose_tree keeps its
+    nodes level by level, parents first, so its first rows hold their own parents). N 6, chain [x, y], nodes
+    [a, b, c, d, e] with parents [0, 0, 1, 1, 2]: pending [r, x, y, a, b, c], parents [0, 0, 1, 0, 0, 3]."""
+    b, n = pending.shape
+    c = min(chain.shape[1], n - 1)
+    rest = n - 1 - c
+    tokens = torch.cat((pending[:, :1], chain[:, :c], pending[:, 1 : 1 + rest]), dim=1)
+    chained = torch.arange(c, device=pending.device).expand(b, c)  # row i's parent: row i - 1
+    moved = parents[:, 1 : 1 + rest]
+    moved = torch.where(moved > 0, moved + c, 0)
+    return tokens, torch.cat((parents[:, :1], chained, moved), dim=1)
+
+
 def keep_path(
     layers: list[KVLayer],  # per layer k, v [blocks, kv_heads, BLOCK, head_dim]
     tables: torch.Tensor,  # [B, blocks per sequence] int32

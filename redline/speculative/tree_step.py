@@ -37,9 +37,13 @@ def counts_along_tree(
 
 
 class TreeDecodeStep(DecodeStep):
-    """DecodeStep's callable, for an Emitter with a tree: out [rows, steps + 2 (+ packed logprobs)]."""
+    """DecodeStep's callable, for an Emitter with a tree: out [rows, steps + 2 (+ packed logprobs)]. A step
+    of k = 0 (adaptive draft length) is the chain's, over each slot's root alone; it leaves a tree of
+    copies of the bonus token pending (Emitter._no_proposals), which the next drafting step verifies."""
 
     def __call__(self, rows: int, kv_len: int, any_sampling: bool, k: int | None = None) -> torch.Tensor:
+        if k == 0:
+            return super().__call__(rows, kv_len, any_sampling, 0)
         st, shape = self.state, self.emit.tree
         assert shape is not None and st.parents is not None and self.draft_cache is not None
         pending, parents, active = st.pending[:rows], st.parents[:rows], st.active[:rows]
@@ -58,7 +62,8 @@ class TreeDecodeStep(DecodeStep):
             logits = self.target.logits(hidden)  # [B, N, V]
             penalized = penalize(logits, sampling, counts_along_tree(counts, pending, mask.bits), seen)
             p = filtered_probs(penalized, sampling)
-            path, accepted, tokens = sampled_tree_verify(p, pending, parents, shape.steps, shape.topk,
+            most = shape.topk + (self.emit.lookup is not None)  # children of a node: an n-gram chain's too
+            path, accepted, tokens = sampled_tree_verify(p, pending, parents, shape.steps, most,
                                                          sampling.seed, positions)  # fmt: skip
             logits = logits.gather(1, path[..., None].expand(-1, -1, logits.shape[-1]))
         keep_path(self.cache.layers, tables, pos, path)
@@ -66,8 +71,9 @@ class TreeDecodeStep(DecodeStep):
         aux = aux.gather(1, path[..., None].expand(-1, -1, aux.shape[-1]))
         first_row = torch.zeros_like(pos)
         draft_inputs = DraftInputs(aux, tokens, along, first_row, self.draft_cache.layers[0], tables, kv_len)
+        history = None if st.history is None else st.history[:rows, :kv_len]  # n-gram lookup beside it
         e = self.emit.finish(tokens, accepted, logits, along, sampling, counts, seen, active, any_sampling,
-                             draft_inputs, None)  # fmt: skip
+                             draft_inputs, history)  # fmt: skip
         assert e.parents is not None
         st.pending[:rows] = torch.where(active[:, None], e.pending, st.pending[:rows])
         st.parents[:rows] = torch.where(active[:, None], e.parents, parents)

@@ -45,7 +45,9 @@ def greedy_tree_verify(
     path, n_acc = [node], torch.zeros_like(node)
     for _ in range(steps):
         want = choice.gather(1, node[:, None])  # [B, 1]
-        match = _children(parents, node) & (tokens == want)  # siblings' tokens differ: one match at most
+        # siblings may share a token (copies of the bonus token, an n-gram chain beside the tree's nodes):
+        # the first matching row is taken
+        match = _children(parents, node) & (tokens == want)
         found = match.any(dim=1) & (n_acc == len(path) - 1)  # still walking
         node = torch.where(found, _first_row(match), node)
         n_acc = n_acc + found
@@ -59,7 +61,7 @@ def sampled_tree_verify(
     tokens: torch.Tensor,  # [B, N]
     parents: torch.Tensor,  # [B, N]
     steps: int,
-    topk: int,
+    topk: int,  # the most children a node has (topk, and 1 more beside n-gram lookup: chain_into_tree)
     seed: torch.Tensor,  # [B]
     positions: torch.Tensor,  # [B, N] each row's position (pos + depth)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -69,7 +71,7 @@ def sampled_tree_verify(
     When every child is rejected, sample the correction from R. Each level's token is thus a draw from P:
     the emitted tokens are distributed as tokens sampled one by one from the target."""
     b, n, vocab = p.shape
-    most = min(topk, n - 1)  # children a node can have among the N - 1 kept
+    most = min(topk, n - 1)  # children a node can have among the N - 1 rows
     node = torch.zeros(b, dtype=torch.int64, device=p.device)
     path, n_acc = [node], torch.zeros_like(node)
     # where each row stopped: its residual and the position its correction takes (drawn once, at the end)

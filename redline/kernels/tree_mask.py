@@ -1,0 +1,17 @@
+"""A token tree's mask inside the Triton attention kernels (decode_attention.py, prefill_attention.py): the
+function attention_core.tree_visible computes, over its 63 slots (draft_tree.TREE_SLOTS)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tree_seen(n, tree_base, tree_bits):
+    """n [BLOCK_N] key positions, tree_base the tree's first slot, tree_bits [BLOCK_M] int64 ancestor bits
+    of the tile's rows -> [BLOCK_M, BLOCK_N] bool: every key before the base, then the slots base + j whose
+    bit j is set. Base 40, bits 0b101: keys 0..39, 40 and 42."""
+    past_base = n[None, :] - tree_base  # [1, BLOCK_N]
+    bit = (tree_bits[:, None] >> tl.minimum(tl.maximum(past_base, 0), 62).to(tl.int64)) & 1
+    return (past_base < 0) | ((past_base < 63) & (bit == 1))
