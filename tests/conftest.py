@@ -120,15 +120,22 @@ def llama3_dir(tmp_path, tokenizer_dir):
     return save_hf_model(model, tmp_path / "llama3", tokenizer_dir), model
 
 
-def greedy_divergence_is_a_near_tie(model, prompt: list[int], a: list[int], b: list[int], atol: float = 1e-4):
-    """True when a == b, or when they first differ where `model`'s top-two logits (on a's prefix) are
-    within atol: an fp32 rounding tie that any two correct implementations may break differently."""
+def greedy_divergence_is_a_near_tie(
+    model, prompt: list[int], a: list[int], b: list[int], atol: float = 1e-4, presence: float = 0.0,
+    frequency: float = 0.0,
+):  # fmt: skip
+    """True when a == b, or when they first differ where `model`'s top-two logits (on a's prefix, with the
+    presence and frequency penalties of a's tokens so far) are within atol: an fp32 rounding tie that any
+    two correct implementations may break differently."""
     for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
             seq = torch.tensor([prompt + a[:i]])
             with torch.no_grad():
                 hidden, _ = model(seq, torch.arange(seq.shape[1])[None])
-                top2 = model.logits(hidden)[0, -1].topk(2).values
+                logits = model.logits(hidden)[0, -1]
+                counts = torch.bincount(torch.tensor(a[:i], dtype=torch.int64), minlength=logits.shape[-1])
+                logits = logits - frequency * counts - presence * (counts > 0)
+                top2 = logits.topk(2).values
             gap = (top2[0] - top2[1]).item()
             print(f"greedy tokens first differ at {i} ({x} vs {y}), top-2 logit gap {gap:.3g}")
             return gap < atol

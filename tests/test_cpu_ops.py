@@ -126,21 +126,28 @@ def test_decode_attention_equals_the_reference(b, t, hq, hkv, d, kv_len, chunk):
     torch.testing.assert_close(got.double(), want, atol=1e-2, rtol=1e-2)
 
 
-@pytest.mark.parametrize("b, t, kv_len", [(1, 8, 300), (3, 5, 37), (2, 9, 4096)])
-def test_decode_attention_over_a_token_tree_equals_the_reference(b, t, kv_len):
-    """A token tree's rows (speculative/tree.py): each sees the keys before its base and its ancestors'
-    slots (random trees), as attention_core.tree_visible says; the positions are not read."""
+@pytest.mark.parametrize(
+    "b, t, kv_len, chunk", [(1, 8, 300, 0), (3, 5, 37, 0), (2, 9, 4096, 0), (3, 8, 300, 16)]
+)
+def test_decode_attention_over_a_token_tree_equals_the_reference(b, t, kv_len, chunk):
+    """A token tree's rows (speculative/tree.py): each sees the keys before its base (from the start of its
+    root's chunk, with Llama 4's chunk) and its ancestors' slots (random trees), as
+    attention_core.tree_visible says; the positions are not read."""
     from test_tree import random_parents
 
     from redline.speculative.tree import structure
 
     q, k_cache, v_cache, positions, tables = paged_case(b, t, 9, 3, 64, kv_len)
-    base = torch.randint(0, 40, (b,))  # few keys before the tree: its mask weighs in the output
+    base = torch.randint(17 if chunk else 0, 40, (b,))  # few keys before the tree: its mask weighs in
     _, bits = structure(random_parents(b, t, 4), 4)
-    got = cpu_ops.decode_attention_bf16(q, k_cache, v_cache, positions * 0, tables, kv_len, 0, base, bits)
+    got = cpu_ops.decode_attention_bf16(q, k_cache, v_cache, positions * 0, tables, kv_len, chunk, base, bits)
     want = decode_attention_reference(q.double(), k_cache.double(), v_cache.double(), positions, tables,
-                                      kv_len, 0, base, bits)  # fmt: skip
+                                      kv_len, chunk, base, bits)  # fmt: skip
     torch.testing.assert_close(got.double(), want, atol=1e-2, rtol=1e-2)
+    if chunk:
+        whole = decode_attention_reference(q.double(), k_cache.double(), v_cache.double(), positions, tables,
+                                           kv_len, 0, base, bits)  # fmt: skip
+        assert not torch.allclose(want, whole, atol=1e-2), "the chunk must matter here"
     causal = decode_attention_reference(q.double(), k_cache.double(), v_cache.double(),
                                         base[:, None] + torch.arange(t), tables, kv_len)  # fmt: skip
     assert not torch.allclose(want, causal, atol=1e-2), "the tree's mask must matter here"

@@ -198,12 +198,15 @@ def test_prefill_and_steps_on_fake_cuda(fake_cuda, family, k):
 
 
 @in_child
-@pytest.mark.parametrize("nodes", [8, 16])
-def test_a_draft_tree_on_fake_cuda(fake_cuda, nodes):
+@pytest.mark.parametrize(
+    ("config", "nodes"), [(LLAMA3, 8), (LLAMA3, 16), (LLAMA4, 8)], ids=["8", "16", "llama4-8"]
+)
+def test_a_draft_tree_on_fake_cuda(fake_cuda, config, nodes):
     """A draft tree (topk 4): its steps run on the device, nothing on the host, the chain's output layout.
     Its verification takes the split-KV kernel under the tree's mask at 8 rows, and at 16 rows (more than
-    the split-KV tile holds: Backends.tree_rows) the prefill kernel under that mask."""
-    model, draft = fake_model(LLAMA3, draft=True)
+    the split-KV tile holds: Backends.tree_rows) the prefill kernel under that mask; Llama 4's chunked
+    layers too (under the root's chunk)."""
+    model, draft = fake_model(config, draft=True)
     runner = fake_runner(model, draft, 3, PROMPT + 64, tree=TreeShape(topk=4, steps=3, nodes=nodes))
     prefill_log, step_log = OpLog(), OpLog()
     *_, step1_greedy, step1_sampling, step4_greedy, step4_sampling = serve(runner, prefill_log, step_log)

@@ -121,11 +121,13 @@ def test_decode_attention(b, t, hq, hkv, kv_len, chunk, splits, dtype, cache_dty
     torch.testing.assert_close(got, expected, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("chunk", [0, 24])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_over_a_token_tree(dtype):
+def test_decode_attention_over_a_token_tree(dtype, chunk):
     """A decode step's token tree (speculative/tree.py): 8 rows at slots base .. base + 7, each seeing
-    every key before its base and its ancestors' slots (random trees, per row of the batch), against the
-    reference under attention_core.tree_visible; GQA 2 over 3 splits."""
+    every key before its base (from its root's chunk's start, with Llama 4's chunk) and its ancestors'
+    slots (random trees, per row of the batch), against the reference under attention_core.tree_visible;
+    GQA 2 over 3 splits."""
     from test_tree import random_parents
 
     from redline.speculative.tree import structure
@@ -135,16 +137,17 @@ def test_decode_attention_over_a_token_tree(dtype):
     q = torch.randn(b, t, hq, d, generator=gen).to(DEVICE, dtype)
     k_cache, v_cache, tables = paged(*torch.randn(2, b, hkv, kv_len + 8, d, generator=gen).unbind(0), gen)
     k_cache, v_cache, tables = k_cache.to(DEVICE, dtype), v_cache.to(DEVICE, dtype), tables.to(DEVICE)
-    base = torch.randint(0, kv_len - t, (b,), generator=gen).to(DEVICE)
+    base = torch.randint(30 if chunk else 0, kv_len - t, (b,), generator=gen).to(DEVICE)  # past chunk 0
     _, bits = structure(random_parents(b, t, 4), 4)
+    bits = bits.to(DEVICE)
     positions = base[:, None] + torch.arange(t, device=DEVICE)  # unread with a tree
-    got = decode_attention(q, k_cache, v_cache, positions, tables, kv_len, 0, base, bits.to(DEVICE),
-                           num_splits=3)  # fmt: skip
-    expected = decode_attention_reference(q, k_cache, v_cache, positions, tables, kv_len, 0, base,
-                                          bits.to(DEVICE))  # fmt: skip
+    got = decode_attention(q, k_cache, v_cache, positions, tables, kv_len, chunk, base, bits, num_splits=3)
+    expected = decode_attention_reference(q, k_cache, v_cache, positions, tables, kv_len, chunk, base, bits)
     torch.testing.assert_close(got, expected, atol=TOL[dtype], rtol=TOL[dtype])
+    other = decode_attention_reference(q, k_cache, v_cache, positions, tables, kv_len, 24 - chunk, base, bits)
     causal = decode_attention_reference(q, k_cache, v_cache, positions, tables, kv_len)
-    assert not torch.allclose(expected, causal, atol=TOL[dtype]), "the tree's mask must differ from causal"
+    for mask in (causal, other):  # the tree's mask matters, and so does the chunk
+        assert not torch.allclose(expected, mask, atol=TOL[dtype])
 
 
 def _prefill_inputs(b, t, hq, hkv, kv_len, d, dtype, cache_dtype, seed):
@@ -188,15 +191,16 @@ def test_prefill_attention(b, t, hq, hkv, kv_len, chunk, block_m, block_n, dtype
 
 
 @pytest.mark.parametrize(
-    "t, steps, first", [(16, 3, 0), (40, 6, 0), (63, 8, 0), (12, 4, 36)]
+    "t, steps, first, chunk", [(16, 3, 0, 0), (40, 6, 0, 0), (63, 8, 0, 0), (12, 4, 36, 0), (40, 6, 0, 24)]
 )  # 63: every slot of draft_tree.TREE_SLOTS; first 36: a draft frontier past earlier steps' slots
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_attention_over_a_token_tree(t, steps, first, dtype):
+def test_prefill_attention_over_a_token_tree(t, steps, first, chunk, dtype):
     """A tree of more rows than the decode kernel's tile holds (CUDA's Backends.tree_rows) takes the
     prefill kernel under its mask: random trees per row of the batch at random bases, the rows at slots
     base + first + row (the positions attention passes; a draft frontier of topk 12 at its fourth step sits
     at base + 36 .., its ancestors at lower slots), 16 x 16 tiles (several query tiles and key blocks, one
-    straddling the base), GQA 2, against the reference under attention_core.tree_visible."""
+    straddling the base), GQA 2, against the reference under attention_core.tree_visible; with Llama 4's
+    chunk, the keys from the root's chunk's start (the loop's first key block)."""
     from test_tree import random_parents
 
     from redline.speculative.tree import structure
@@ -206,14 +210,18 @@ def test_prefill_attention_over_a_token_tree(t, steps, first, dtype):
     q = torch.randn(b, t, hq, d, generator=gen).to(DEVICE, dtype)
     k_cache, v_cache, tables = paged(*torch.randn(2, b, hkv, kv_len + 8, d, generator=gen).unbind(0), gen)
     k_cache, v_cache, tables = k_cache.to(DEVICE, dtype), v_cache.to(DEVICE, dtype), tables.to(DEVICE)
-    base = torch.randint(1, kv_len - t - first, (b,), generator=gen).to(DEVICE)
+    lowest = 30 if chunk else 1  # a base past the first chunk
+    base = torch.randint(lowest, kv_len - t - first, (b,), generator=gen).to(DEVICE)
     _, bits = structure(random_parents(b, first + t, steps), steps)  # rows [first, first + t) queried
     bits = bits[:, first:].contiguous().to(DEVICE)
     positions = base[:, None] + first + torch.arange(t, device=DEVICE)
-    got = prefill_attention(q, k_cache, v_cache, positions, tables, kv_len, 0, base, bits, block_m=16,
+    got = prefill_attention(q, k_cache, v_cache, positions, tables, kv_len, chunk, base, bits, block_m=16,
                             block_n=16)  # fmt: skip
-    expected = prefill_attention_reference(q, k_cache, v_cache, positions, tables, kv_len, 0, base, bits)
+    expected = prefill_attention_reference(q, k_cache, v_cache, positions, tables, kv_len, chunk, base, bits)
     torch.testing.assert_close(got, expected, atol=TOL[dtype], rtol=TOL[dtype])
+    if chunk:
+        unchunked = prefill_attention_reference(q, k_cache, v_cache, positions, tables, kv_len, 0, base, bits)
+        assert not torch.allclose(expected, unchunked, atol=TOL[dtype]), "the chunk must matter here"
     causal = prefill_attention_reference(q, k_cache, v_cache, positions, tables, kv_len)
     assert not torch.allclose(expected, causal, atol=TOL[dtype]), "the tree's mask must differ from causal"
 

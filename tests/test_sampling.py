@@ -11,6 +11,7 @@ from redline.sampling import (
     SamplingParams,
     SamplingTensors,
     filtered_probs,
+    open_unit,
     sample_from,
     uniform,
 )
@@ -82,6 +83,19 @@ def test_draws_depend_only_on_seed_position_and_stream():
     assert not torch.equal(u[0], uniform(seed, pos, stream=1, width=100)[0])
     assert not torch.equal(u[0], uniform(seed, pos + 1, stream=0, width=100)[0])
     assert u.min() > 0 and u.max() < 1
+
+
+def test_draws_stay_inside_the_open_interval_at_the_extreme_keys():
+    """The largest 32-bit keys once rounded to u = 1 (noise 0: a greedy row's race then took a random
+    token); each key maps inside (0, 1), the largest strictly below 1, and a greedy row picks its argmax
+    whatever the noise."""
+    keys = torch.tensor([0, 1, 511, 2**31, 2**32 - 512, 2**32 - 256, 2**32 - 1])
+    u = open_unit(keys)
+    assert u.min() > 0 and u.max() < 1 and u[-1] == 1 - 2**-24
+    one_hot = torch.zeros(1, 1, 6)
+    one_hot[..., 4] = 1.0
+    noise = -torch.log(u[-1:].expand(6))
+    assert (one_hot / noise).argmax(-1).item() == 4
 
 
 def test_greedy_rows_ignore_noise_and_sampling_rows_follow_seed():

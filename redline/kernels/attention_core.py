@@ -71,12 +71,18 @@ def tree_visible(
     key_positions: torch.Tensor,  # [B or 1, 1, 1, S]
     base: torch.Tensor,  # [B] the tree's first slot
     bits: torch.Tensor,  # [B, T] int64: bit j set -> the row sees slot base + j
+    chunk: int = 0,  # Llama 4's chunked layers: only keys from the start of the root's chunk
 ) -> torch.Tensor:  # [B, 1, T, S] bool
     """A token tree's mask (speculative/tree.py): every key before the base, then the row's ancestors'
-    slots. Base 40, bits 0b101: keys 0..39, 40 and 42."""
+    slots. Base 40, bits 0b101: keys 0..39, 40 and 42; chunk 32: keys 32..39, 40 and 42. Under a chunk every
+    row sees its root's chunk, which is its own while the row's position (base + depth) is in it; the rows
+    past the chunk's end are never accepted (speculative/tree.truncate_at_chunk)."""
     past_base = key_positions - base[:, None, None, None]
     bit = (bits[:, None, :, None] >> past_base.clamp(0, TREE_SLOTS - 1)) & 1
-    return (past_base < 0) | ((past_base < TREE_SLOTS) & (bit == 1))
+    seen = (past_base < 0) | ((past_base < TREE_SLOTS) & (bit == 1))
+    if chunk:
+        seen &= past_base >= -torch.remainder(base, chunk)[:, None, None, None]
+    return seen
 
 
 def decode_attention_reference(
@@ -94,7 +100,8 @@ def decode_attention_reference(
     on CPU): the queries over the gathered cache in fp32."""
     keys, values = gather_blocks(k_cache, tables, kv_len), gather_blocks(v_cache, tables, kv_len)
     if tree_base is not None and tree_bits is not None:
-        mask = tree_visible(torch.arange(kv_len, device=q.device)[None, None, None], tree_base, tree_bits)
+        key_positions = torch.arange(kv_len, device=q.device)[None, None, None]
+        mask = tree_visible(key_positions, tree_base, tree_bits, chunk)
     else:
         mask = step_mask(positions, kv_len, chunk)
     return sdpa_attention(q.float(), keys.float(), values.float(), mask).to(q.dtype)

@@ -157,7 +157,8 @@ def decode_attention_bf16(
     keys, values = (gather_blocks(c, tables, kv_len).to(q.dtype) for c in (k_cache, v_cache))
     if tree_base is not None and tree_bits is not None:
         key_positions = torch.arange(kv_len, device=q.device)[None, None, None]
-        return attention_by_reductions(q, keys, values, tree_visible(key_positions, tree_base, tree_bits))
+        mask = tree_visible(key_positions, tree_base, tree_bits, chunk)
+        return attention_by_reductions(q, keys, values, mask)
     return attention_by_reductions(q, keys, values, step_mask(positions, kv_len, chunk))
 
 

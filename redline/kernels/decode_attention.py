@@ -108,7 +108,7 @@ def _split_kernel(
         k = tl.load(k_ptr + kv_offsets, mask=n_ok[:, None], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale  # [BLOCK_M, BLOCK_N]
         if TREE:
-            seen = tree_seen(n, tree_base, tree_bits)
+            seen = tree_seen(n, tree_base, tree_bits, chunk)
         else:
             seen = (n[None, :] <= q_pos[:, None]) & (n[None, :] >= lowest[:, None])
         visible = n_ok[None, :] & seen & row_ok[:, None]

@@ -24,7 +24,8 @@ kv_len / 64 blocks.
 A token tree of more rows than the decode kernel's tile holds (a verification tree, or the draft's frontier
 at topk >= 10: speculative/tree.py) comes here too, under the tree's mask (attention_core.tree_visible):
 each row sees every key before the base and its ancestors' slots. Its positions are the rows' cache slots,
-each past its ancestors', so the loop runs over [0, the last row's slot] as for a causal prompt.
+each past its ancestors', so the loop runs over [0, the last row's slot] as for a causal prompt; in Llama 4's
+chunked layers from the start of the root's chunk (tree_lowest) instead of 0.
 
 Products run on tensor cores in the query's dtype (bf16 / fp16; FP8 keys and values are upcast to it)
 with fp32 accumulation, as flash-attention does. fp32 queries (tests) multiply as "tf32x3": three
@@ -44,7 +45,7 @@ from torch.library import triton_op
 
 from redline.kernels.attention_core import decode_attention_reference
 from redline.kernels.launch import is_interpreted, traceable
-from redline.kernels.tree_mask import tree_seen
+from redline.kernels.tree_mask import tree_lowest, tree_seen
 
 LOG2E = 1.4426950408889634
 
@@ -114,9 +115,10 @@ def _prefill_kernel(
     # the keys any row of this tile can see: [lo, hi), lo aligned down to a key block
     hi = tl.minimum(tl.max(q_pos) + 1, kv_len)
     lo = tl.min(tl.where(row_ok, lowest, kv_len))
-    if TREE:  # positions are the rows' slots, each past its ancestors' (chunk 0: lo = 0)
+    if TREE:  # positions are the rows' slots, each past its ancestors'; the lowest key is the root's chunk's
         tree_base = tl.load(tree_base_ptr + b).to(tl.int32)
         tree_bits = tl.load(tree_bits_ptr + b * num_tokens + rows, mask=row_ok, other=0)  # [BLOCK_M] int64
+        lo = tree_lowest(tree_base, chunk)
     lo = lo - lo % BLOCK_N
     if INTERPRETED_LEN:
         # the interpreter's range() takes no runtime bound (int() of its 1-element scalars, refused by
@@ -138,7 +140,7 @@ def _prefill_kernel(
         k = tl.load(k_ptr + kv_offsets, mask=n_ok[:, None], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         if TREE:
-            seen = tree_seen(n, tree_base, tree_bits)
+            seen = tree_seen(n, tree_base, tree_bits, chunk)
         else:
             seen = (n[None, :] <= q_pos[:, None]) & (n[None, :] >= lowest[:, None])
         visible = n_ok[None, :] & seen

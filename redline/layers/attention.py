@@ -23,10 +23,11 @@ class TreeMask:
     """Rows of a token tree (speculative/tree.py) in one forward: each row sits at its depth's position
     (rotary) but is stored at a cache slot of its own, and attends to the cache before `base` and to the
     slots of its ancestors. Row 2 of a tree rooted at base 40 with bits 0b101: keys 0..39, then slots 40
-    (the root) and 42 (itself), not 41 (a sibling)."""
+    (the root) and 42 (itself), not 41 (a sibling). A chunked layer (Llama 4) sees the cache from the start
+    of the root's chunk only: chunk 32, keys 32..39, 40 and 42 (attention_core.tree_visible)."""
 
     slots: torch.Tensor  # [B, T] the cache position each row's key is written at
-    base: torch.Tensor  # [B] the first slot the tree's rows may use; earlier positions are all attended
+    base: torch.Tensor  # [B] the first slot the tree's rows may use; earlier positions are attended
     bits: torch.Tensor  # [B, T] int64: bit j set -> the row attends to slot base + j (j < 63)
 
 
@@ -45,7 +46,7 @@ class AttentionBatch:
     tables: torch.Tensor | None  # [B, blocks per sequence] int32; None without a cache
     kv_len: int  # keys attended: cache positions [0, kv_len)
     full_mask: torch.Tensor  # [B, 1, T, kv_len] bool, causal (a tree's: tree_visible)
-    chunked_mask: torch.Tensor | None  # [B, 1, T, kv_len] bool, causal and same chunk
+    chunked_mask: torch.Tensor | None  # [B, 1, T, kv_len] bool, causal and same chunk (a tree's: its root's)
     cos: torch.Tensor  # [B, T, 1, head_dim // 2]
     sin: torch.Tensor
     temperature: torch.Tensor | None  # [B, T, 1, 1] Llama 4 NoPE query scale
@@ -74,17 +75,16 @@ class AttentionBatch:
     ) -> AttentionBatch:
         q = positions[:, None, :, None]  # [B, 1, T, 1]
         k = key_positions[:, None, None, :]  # [B|1, 1, 1, S]
-        full, slots = k <= q, positions
+        full, slots, chunked, chunk = k <= q, positions, None, config.attention_chunk_size
         if tree is not None:
-            if config.attention_chunk_size is not None:
-                raise ValueError("tree drafts with chunked attention (Llama 4) are not supported yet")
             full, slots = tree_visible(k, tree.base, tree.bits), tree.slots
-        chunked = None
-        if config.attention_chunk_size is not None:
+            if chunk is not None:  # from its root's chunk's start (tree_visible)
+                base = tree.base[:, None, None, None]
+                chunked = full & (k >= base - torch.remainder(base, chunk))
+        elif chunk is not None:
             # chunk 8192: a query at 8195 sees keys 8192..8195 only (its chunk starts at 8195 - 8195 % 8192).
             # Written without k // c: inductor (torch 2.13, CPU) miscompiles that floor division.
-            chunk_start = q - torch.remainder(q, config.attention_chunk_size)
-            chunked = full & (k >= chunk_start)
+            chunked = full & (k >= q - torch.remainder(q, chunk))
         temperature = None
         if config.attn_temperature_tuning and not all(config.rope_layers):
             steps = torch.floor((positions.float() + 1.0) / config.floor_scale)
@@ -200,8 +200,8 @@ class Attention(nn.Module):
                 # prompt kernel (CUDA; None on CPU: the core over the gathered cache)
                 kernel = self.step_kernel if x.shape[1] <= self.tree_rows else self.prefill_kernel
                 if kernel is not None:
-                    out = kernel(q, *cache, batch.positions, batch.tables, batch.kv_len, 0, batch.tree_base,
-                                 batch.tree_bits)  # fmt: skip
+                    out = kernel(q, *cache, batch.positions, batch.tables, batch.kv_len, self.chunk,
+                                 batch.tree_base, batch.tree_bits)  # fmt: skip
                     return self.o_proj(out.reshape(*x.shape[:2], -1))
             elif kernel is not None:
                 out = kernel(q, *cache, batch.positions, batch.tables, batch.kv_len, self.chunk)

@@ -42,8 +42,6 @@ def shapes_of(config: EngineConfig, model: ModelConfig) -> Shapes:
     lookup = config.speculative.lookup if config.speculation else None
     ngram = None if lookup is None else NgramRange(*lookup)
     tree = config.speculative.tree if config.speculation else None
-    if tree is not None and model.attention_chunk_size is not None:
-        raise ValueError("draft trees (topk > 1) with chunked attention (Llama 4) are not supported yet")
     adaptive = config.speculative.adaptive_draft_length
     return Shapes(
         config.scheduler.slots, context_len(config, model), config.num_draft_tokens, ngram, adaptive, tree

@@ -44,6 +44,21 @@ def structure(parents: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Te
     return depth, bits
 
 
+def truncate_at_chunk(
+    parents: torch.Tensor,  # [B, N]
+    positions: torch.Tensor,  # [B, N] the rows' positions: pos + depth
+    pos: torch.Tensor,  # [B] the root's
+    chunk: int,  # Llama 4's attention chunk
+) -> torch.Tensor:  # [B, N]
+    """The parents with every row past the end of its root's chunk cut off (-1: nobody's child), for
+    verification. Under chunked attention a tree's rows see the keys of their root's chunk
+    (attention_core.tree_visible), which is exactly their own chunk for the rows inside it; a row past its
+    end saw keys it must not, so it is not verified, as if it had not been drafted. Chunk 32, root at 30,
+    depths [0, 1, 1, 2, 3]: positions 30, 31, 31, 32, 33, rows 3 and 4 cut off."""
+    end = pos - pos % chunk + chunk  # [B] the next chunk's first position
+    return torch.where(positions >= end[:, None], -1, parents)
+
+
 def tree_mask(parents: torch.Tensor, pos: torch.Tensor, steps: int) -> tuple[torch.Tensor, TreeMask]:
     """The verify forward's rotary positions [B, N] (pos + depth) and its mask: rows at slots pos + row."""
     depth, bits = structure(parents, steps)

@@ -18,7 +18,7 @@ from redline.penalties import penalize
 from redline.sampling import filtered_probs
 from redline.speculative.propose import DraftInputs
 from redline.speculative.step import DecodeStep
-from redline.speculative.tree import keep_path, tree_mask
+from redline.speculative.tree import keep_path, tree_mask, truncate_at_chunk
 from redline.speculative.tree_verify import greedy_tree_verify, sampled_tree_verify
 
 
@@ -50,6 +50,8 @@ class TreeDecodeStep(DecodeStep):
         pos = torch.where(active, st.pos[:rows], 0)  # free rows compute at position 0 (see DecodeStep)
         sampling = self.sampling.rows(0, rows)
         positions, mask = tree_mask(parents, pos, shape.steps)  # [B, N] pos + depth
+        chunk = self.target.config.attention_chunk_size
+        verified = parents if chunk is None else truncate_at_chunk(parents, positions, pos, chunk)
         tables = torch.where(active[:, None], self.cache.tables(0, rows), self.cache.scratch_block)
         hidden, aux = self.target(pending, positions, self.cache.layers, tables, kv_len, mask)
         assert aux is not None
@@ -57,13 +59,13 @@ class TreeDecodeStep(DecodeStep):
         logits = None
         if not any_sampling:
             choice = self.target.greedy_tokens(hidden)  # [B, N]
-            path, accepted, tokens = greedy_tree_verify(choice, pending, parents, shape.steps)
+            path, accepted, tokens = greedy_tree_verify(choice, pending, verified, shape.steps)
         else:
             logits = self.target.logits(hidden)  # [B, N, V]
             penalized = penalize(logits, sampling, counts_along_tree(counts, pending, mask.bits), seen)
             p = filtered_probs(penalized, sampling)
             most = shape.topk + (self.emit.lookup is not None)  # children of a node: an n-gram chain's too
-            path, accepted, tokens = sampled_tree_verify(p, pending, parents, shape.steps, most,
+            path, accepted, tokens = sampled_tree_verify(p, pending, verified, shape.steps, most,
                                                          sampling.seed, positions)  # fmt: skip
             logits = logits.gather(1, path[..., None].expand(-1, -1, logits.shape[-1]))
         keep_path(self.cache.layers, tables, pos, path)

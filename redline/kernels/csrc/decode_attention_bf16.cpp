@@ -40,12 +40,16 @@ void key_offsets(const int32_t* table, int64_t lo, int64_t n, int64_t kv_heads, 
   }
 }
 
-// A token tree's keys for one query (kernels.h TreeRows): positions 0 .. base - 1, then the slots base + j of
-// the set bits of `bits`, all below kv_len. Example: base 40, bits 0b101: keys 0..39, 40 and 42.
-void tree_key_offsets(const int32_t* table, int64_t base, int64_t bits, int64_t kv_len, int64_t kv_heads,
-                      int64_t kv_head, int64_t block_size, int64_t blocks, int64_t head_dim,
+// A token tree's keys for one query (kernels.h TreeRows): positions lo .. base - 1, then the slots base + j
+// of the set bits of `bits`, all below kv_len. lo is 0, or with Llama 4's chunked layers the start of the
+// root's chunk (attention_core.tree_visible). Example: base 40, bits 0b101: keys 0..39, 40 and 42; chunk 32:
+// keys 32..39, 40 and 42.
+void tree_key_offsets(const int32_t* table, int64_t base, int64_t bits, int64_t chunk, int64_t kv_len,
+                      int64_t kv_heads, int64_t kv_head, int64_t block_size, int64_t blocks, int64_t head_dim,
                       std::vector<int64_t>& offsets) {
-  key_offsets(table, 0, std::min(base, kv_len), kv_heads, kv_head, block_size, blocks, head_dim, offsets);
+  const int64_t lo = chunk > 0 ? base - base % chunk : 0;
+  key_offsets(table, lo, std::max<int64_t>(std::min(base, kv_len) - lo, 0), kv_heads, kv_head, block_size,
+              blocks, head_dim, offsets);
   std::vector<int64_t> one;
   for (int64_t j = 0; j < 63 && base + j < kv_len; ++j) {  // 63 slots: draft_tree.TREE_SLOTS
     if ((bits >> j) & 1) {
@@ -142,8 +146,8 @@ void decode_attention(const uint16_t* q, int64_t q_stride, int64_t B, int64_t T,
       if (tree != nullptr) {  // (b, kv head, t, -2): a tree's rows each see their own keys
         const int64_t walk[4] = {b, h / G, t, -2};
         if (!std::equal(walk, walk + 4, walked)) {
-          tree_key_offsets(cache.tables + b * cache.per_row, tree->base[b], tree->bits[b * T + t], kv_len,
-                           cache.kv_heads, h / G, cache.block_size, cache.blocks, D, offsets);
+          tree_key_offsets(cache.tables + b * cache.per_row, tree->base[b], tree->bits[b * T + t], chunk,
+                           kv_len, cache.kv_heads, h / G, cache.block_size, cache.blocks, D, offsets);
           std::copy(walk, walk + 4, walked);
         }
         run(q + (b * T + t) * q_stride + h * D, cache.k, cache.v, offsets, scale, scores, out + task * D);

@@ -77,7 +77,8 @@ inline PagedCache paged_cache(const at::Tensor& k_cache, const at::Tensor& v_cac
 }
 
 // A token tree's mask (speculative/tree.py, attention_core.tree_visible): row b's queries see every key
-// before base[b], then slot base[b] + j where bit j of bits[b * T + t] is set (j < 63)
+// before base[b] (from the start of base[b]'s chunk in Llama 4's chunked layers), then slot base[b] + j
+// where bit j of bits[b * T + t] is set (j < 63)
 struct TreeRows {
   const int64_t* base;  // [B]
   const int64_t* bits;  // [B * T]
