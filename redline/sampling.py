@@ -16,7 +16,6 @@ MAX_LOGPROBS = 20  # top log-probabilities a token can report (OpenAI's top_logp
 MAX_REPETITION_PENALTY = 10.0
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)
 MAX_TOP_K = 2**31 - 1  # top_k is an int64 tensor entry; anything past the vocabulary keeps it all
-FLOAT32_TINY = torch.finfo(torch.float32).tiny  # the smallest normal fp32: a floor for the race's noise
 
 
 @dataclass
@@ -106,10 +105,10 @@ def uniform(
 def open_unit(key: torch.Tensor) -> torch.Tensor:  # [...] int64 32-bit values -> [...] fp32
     """32-bit keys (int64 tensor) -> fp32 in (0, 1), never 0 or 1: the top 23 bits, centred. Keys 0 and
     2**32 - 1 give 2**-24 and 1 - 2**-24, both exact in fp32. The top 24 bits did not fit: their largest
-    value, 2**24 - 0.5, rounds to 2**24, so that one key in 2**24 gave u = 1, noise -log(u) = 0, and a greedy
-    row's race (one-hot / noise, sample_from) a 0/0 NaN that argmax took: a random token in one greedy step
-    of 340 on the logits path (logprobs, penalties) with SmolLM2's 49,152 tokens, and a slight bias when
-    sampling."""
+    value, 2**24 - 0.5, rounds to 2**24, so that one draw in 2**24 (the largest 256 of 2**32 keys) gave
+    u = 1, noise -log(u) = 0, and a greedy row's race (one-hot / noise, sample_from) a 0/0 NaN that argmax
+    took: a random token in one greedy step of 340 on the logits path (logprobs, penalties) with SmolLM2's
+    49,152 tokens, and a slight bias when sampling."""
     return ((key >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
@@ -177,6 +176,6 @@ def sample_from(probs: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
 
     probs [B, T, V], seed [B], position [B, T] -> tokens [B, T] int64
     """
-    # open_unit keeps u below 1; the floor keeps noise > 0 where a device's log rounds -log(1 - 2^-24) to 0
-    noise = (-torch.log(uniform(seed, position, stream, probs.shape[-1]))).clamp_min(FLOAT32_TINY)
+    # u < 1 (open_unit), and u - 1 is exact: log1p keeps the smallest noise, -log(1 - 2^-24) = 6e-8, above 0
+    noise = -torch.log1p(uniform(seed, position, stream, probs.shape[-1]) - 1.0)
     return (probs / noise).argmax(dim=-1)

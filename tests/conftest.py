@@ -125,8 +125,8 @@ def greedy_divergence_is_a_near_tie(
     frequency: float = 0.0,
 ):  # fmt: skip
     """True when a == b, or when they first differ where `model`'s top-two logits (on a's prefix, with the
-    presence and frequency penalties of a's tokens so far) are within atol: an fp32 rounding tie that any
-    two correct implementations may break differently."""
+    presence and frequency penalties of a's tokens so far; no repetition penalty) are within atol: an fp32
+    rounding tie that any two correct implementations may break differently."""
     for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
             seq = torch.tensor([prompt + a[:i]])

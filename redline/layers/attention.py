@@ -79,8 +79,8 @@ class AttentionBatch:
         if tree is not None:
             full, slots = tree_visible(k, tree.base, tree.bits), tree.slots
             if chunk is not None:  # from its root's chunk's start (tree_visible)
-                base = tree.base[:, None, None, None]
-                chunked = full & (k >= base - torch.remainder(base, chunk))
+                root = tree.base[:, None, None, None]
+                chunked = full & (k >= root - torch.remainder(root, chunk))
         elif chunk is not None:
             # chunk 8192: a query at 8195 sees keys 8192..8195 only (its chunk starts at 8195 - 8195 % 8192).
             # Written without k // c: inductor (torch 2.13, CPU) miscompiles that floor division.
