@@ -63,3 +63,27 @@ def test_greedy_llama4_trees_across_chunk_boundaries_equal_plain_decoding(
         for prompt, mine, ref in zip(batch, got, want, strict=False):
             assert greedy_divergence_is_a_near_tie(plain.model, prompt, mine.token_ids, ref, atol)
         assert sum(c.acceptance_rates[1] for c in got) > 0, "no path accepted past the first level"
+
+
+def test_a_llama4_tree_after_a_2000_token_prompt_fills_the_context_across_a_chunk_boundary(
+    tmp_path, tokenizer_dir
+):
+    """Real sizes: chunk 40, two prompts of 2,000 tokens (a 50-token passage repeated, so that lookup's
+    chains are accepted), decoded by a tree beside n-gram lookup until the context (2,200) is full, across
+    the chunk boundaries at 2,040 .. 2,160: greedy tokens equal plain decoding's, up to an fp32 near tie
+    (without tree.truncate_at_chunk they differ)."""
+    config = llama4_hf_config(attention_chunk_size=40, max_position_embeddings=4096)
+    target = save_hf_model(build_hf_model(config, seed=6), tmp_path / "t", tokenizer_dir)
+    draft = write_random_draft(target, tmp_path / "d", draft_vocab=200)
+    kw = dict(dtype="float32", max_batch=2, max_seq_len=2200)
+    plain = LLM(target, **kw)
+    tree = LLM(target, draft=draft, num_draft_tokens=3, speculative_eagle_topk=4, prompt_lookup_max=3,
+               speculative_num_draft_tokens=16, adaptive_draft_length=False, **kw)  # fmt: skip
+    prompts = [(torch.randint(5, 384, (50,)).tolist() * 40)[:2000] for _ in range(2)]
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    want = [c.token_ids for c in plain.generate(prompts, params)]
+    got = tree.generate(prompts, params)
+    for prompt, mine, ref in zip(prompts, got, want, strict=True):
+        assert len(mine.token_ids) == 200 and mine.finish_reason == "length"
+        assert greedy_divergence_is_a_near_tie(plain.model, prompt, mine.token_ids, ref)
+    assert sum(c.acceptance_rates[1] for c in got) > 0, "no path accepted past the first level"

@@ -114,11 +114,12 @@ def _prefill_kernel(
     lowest = tl.where(chunk > 0, q_pos - q_pos % tl.maximum(chunk, 1), 0)
     # the keys any row of this tile can see: [lo, hi), lo aligned down to a key block
     hi = tl.minimum(tl.max(q_pos) + 1, kv_len)
-    lo = tl.min(tl.where(row_ok, lowest, kv_len))
     if TREE:  # positions are the rows' slots, each past its ancestors'; the lowest key is the root's chunk's
         tree_base = tl.load(tree_base_ptr + b).to(tl.int32)
         tree_bits = tl.load(tree_bits_ptr + b * num_tokens + rows, mask=row_ok, other=0)  # [BLOCK_M] int64
         lo = tree_lowest(tree_base, chunk)
+    else:
+        lo = tl.min(tl.where(row_ok, lowest, kv_len))
     lo = lo - lo % BLOCK_N
     if INTERPRETED_LEN:
         # the interpreter's range() takes no runtime bound (int() of its 1-element scalars, refused by

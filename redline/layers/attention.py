@@ -78,9 +78,8 @@ class AttentionBatch:
         full, slots, chunked, chunk = k <= q, positions, None, config.attention_chunk_size
         if tree is not None:
             full, slots = tree_visible(k, tree.base, tree.bits), tree.slots
-            if chunk is not None:  # from its root's chunk's start (tree_visible)
-                root = tree.base[:, None, None, None]
-                chunked = full & (k >= root - torch.remainder(root, chunk))
+            if chunk is not None:  # from its root's chunk's start
+                chunked = tree_visible(k, tree.base, tree.bits, chunk)
         elif chunk is not None:
             # chunk 8192: a query at 8195 sees keys 8192..8195 only (its chunk starts at 8195 - 8195 % 8192).
             # Written without k // c: inductor (torch 2.13, CPU) miscompiles that floor division.
