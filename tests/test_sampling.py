@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+from redline import sampling
 from redline.sampling import (
     SamplingParams,
     SamplingTensors,
@@ -85,17 +86,17 @@ def test_draws_depend_only_on_seed_position_and_stream():
     assert u.min() > 0 and u.max() < 1
 
 
-def test_draws_stay_inside_the_open_interval_at_the_extreme_keys():
+def test_draws_stay_inside_the_open_interval_at_the_extreme_keys(monkeypatch):
     """The largest 32-bit keys once rounded to u = 1 (noise 0: a greedy row's race then took a random
-    token); each key maps inside (0, 1), the largest strictly below 1, and a greedy row picks its argmax
-    whatever the noise."""
+    token); each key maps inside (0, 1), the largest strictly below 1, and sample_from's race over a
+    one-hot picks its token when every draw is that largest one."""
     keys = torch.tensor([0, 1, 511, 2**31, 2**32 - 512, 2**32 - 256, 2**32 - 1])
     u = open_unit(keys)
     assert u.min() > 0 and u.max() < 1 and u[-1] == 1 - 2**-24
     one_hot = torch.zeros(1, 1, 6)
     one_hot[..., 4] = 1.0
-    noise = -torch.log1p(u[-1:].expand(6) - 1.0)  # as sample_from draws it
-    assert noise.min() > 0 and (one_hot / noise).argmax(-1).item() == 4
+    monkeypatch.setattr(sampling, "uniform", lambda seed, position, stream, width: u[-1].expand(1, 1, width))
+    assert sample_from(one_hot, torch.tensor([0]), torch.tensor([[0]]), stream=0).item() == 4
 
 
 def test_greedy_rows_ignore_noise_and_sampling_rows_follow_seed():
