@@ -2,7 +2,7 @@
 bf16 compiled on CPU at batch 1 and 16, plain vs EAGLE-3 K = 3 with adaptive draft length vs K = 3 on
 every step (BENCHMARKS.md "Adaptive draft length"; issue 27's target: adaptive >= 0.97x plain).
 
-    .venv/bin/python benchmarks/adaptive_k.py [--draft DIR] [--tokens 128] [--rounds 3] [--batches 1,16]
+    .venv/bin/python benchmarks/adaptive_k.py [--draft DIR] [--tokens 128] [--rounds 4] [--batches 1,16]
         [--tree TOPK,NODES]
 
 With --tree the two drafting engines draft trees (topk TOPK, NODES rows, 3 levels) rather than the chain,
@@ -11,7 +11,8 @@ and the results go to adaptive_k_tree.json.
 The draft is a random EAGLE-3 head (draft vocabulary 8,192), accepted next to never, unless --draft names
 one (the demo's, say: then the rows show what adaptation costs or gains with a draft that is accepted).
 The three engines are built once, with 16 slots and a 512-token context, and measured in turns within each
-round (the VM's bandwidth drifts by tens of percent within minutes: only ratios inside one round compare).
+round, in reverse order every other round (the VM's bandwidth drifts by tens of percent within minutes:
+only ratios inside one round compare, and the reversal offsets a steady drift over pairs of rounds).
 A round at batch B generates `tokens` tokens (greedy, ignore_eos) for each of B held-out ShareGPT prompts
 at once. Two rates: end to end, B x tokens over the wall time, prefill included (a draft's engine also
 prefills the draft over every prompt token), and decoding, the median request's (tokens - 1) / (time
@@ -64,7 +65,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draft", type=Path, help="an EAGLE-3 draft (default: a random one, never accepted)")
     parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--tree", help="TOPK,NODES: the drafting engines draft trees")
     parser.add_argument("--json", type=Path, help="default: benchmarks/results/adaptive_k(_tree).json")
@@ -97,8 +98,9 @@ def main() -> None:
         results: dict[str, dict[str, list]] = {}
         for batch in batches:
             rows = {name: {"tps": [], "decode_tps": [], "drafting": []} for name in engines}
-            for _ in range(args.rounds):
-                for name, llm in engines.items():
+            for round_index in range(args.rounds):
+                order = list(engines.items())[:: -1 if round_index % 2 else 1]  # ABBA: drift cancels
+                for name, llm in order:
                     rate, decode, drafting = tokens_per_s(llm, prompts[:batch], args.tokens)
                     for key, value in (("tps", rate), ("decode_tps", decode), ("drafting", drafting)):
                         rows[name][key].append(value)

@@ -29,20 +29,29 @@ def llama3_pair(tmp_path_factory, tokenizer_dir):
     return target, write_random_draft(target, root / "d")
 
 
+@pytest.fixture(scope="module")
+def llama4_pair(tmp_path_factory, tokenizer_dir):
+    """Chunked attention (chunk 24, so the context of 320 crosses 13 chunk boundaries) and MoE."""
+    root = tmp_path_factory.mktemp("compile4")
+    target = save_hf_model(build_hf_model(llama4_hf_config(), seed=7), root / "t", tokenizer_dir)
+    return target, write_random_draft(target, root / "d", draft_vocab=200)
+
+
 def unique_graphs() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 @pytest.mark.parametrize("drafting", ["eagle3", "eagle3+ngram", "tree"])
-def test_a_run_through_every_bucket_compiles_nothing(llama3_pair, drafting):
+def test_a_run_through_every_bucket_compiles_nothing(request, drafting):
     """K = 3, a context of 320: kv buckets 64 -> 128 -> 256 -> 327 as a request grows to the limit, greedy
     and sampled. Every (rows, kv_len, sampling, k) key is visited after the warm-up, none compiles, and
     greedy tokens equal the eager engine's. EAGLE-3 alone: two slots (rows 1 and 2: slot 1 busy keeps rows
     at 2), every step drafting. Beside it n-gram lookup (its history sliced to the unbacked kv_len; lookup
     alone runs the same code without the draft): one slot, adaptive, steps that verify no drafts forced
-    every third step. A draft tree (topk 2, 5 rows) beside n-gram lookup: two slots, adaptive, steps that
-    verify no drafts forced every third step."""
-    target, draft = llama3_pair
+    every third step. A draft tree (topk 2, 5 rows) beside n-gram lookup on Llama 4 (its rows within their
+    root's chunk, those past it cut): two slots, adaptive, steps that verify no drafts forced every third
+    step."""
+    target, draft = request.getfixturevalue("llama4_pair" if drafting == "tree" else "llama3_pair")
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()  # unique_graphs counts from here
     spec = {

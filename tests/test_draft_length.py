@@ -3,6 +3,8 @@ drafter's state whole, and greedy output that stays plain decoding's whichever s
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from conftest import build_hf_model, greedy_divergence_is_a_near_tie, llama3_hf_config, save_hf_model
@@ -51,6 +53,18 @@ def test_probes_grow_rarer_where_drafting_costs_more():
     assert policy.probe == policy.longest_gap(1) == 600
     tail = chosen[4000:]
     assert 1.5 * sum(k > 0 for k in tail) / len(tail) <= 1.2 * PROBE_SHARE
+
+
+def test_the_first_probes_keep_their_distance_where_drafting_costs_more():
+    """Both ends of the gap scale with c: at c = 2.5 the gaps run 40, 80, ... 600 steps (a probe's 3 extra
+    steps 7.5% of the first, as at c = 1.3 over 8 steps), at c = 1.3 from PROBE_MIN to PROBE_MAX."""
+    for cost, gaps in ((2.5, [40, 80, 160, 320, 600, 600]), (1.3, [8, 16, 32, 64, 128, 128])):
+        policy = DraftLength(3, adaptive=True)
+        chosen = run_policy(policy, [0], lambda s, k: 0, 1900, lambda k, c=cost: c if k else 1.0)
+        runs = [(k, len(list(group))) for k, group in itertools.groupby(chosen)]
+        assert runs[0] == (3, 3)  # from the prior (1.0) until the first measures pull it down
+        assert all(run == (3, 2) for run in runs[2:-1:2])  # then probes of two steps
+        assert [n for k, n in runs[1:-1:2]][: len(gaps)] == gaps
 
 
 def test_a_stale_estimate_takes_its_first_measure_at_double_weight():
@@ -146,6 +160,47 @@ def test_a_slow_step_without_drafts_is_timed_again():
     for seconds in (1.0, 1.0, 3.0):
         policy.observe(1, 0, seconds, {0: 0})
     assert policy.cost(1) == pytest.approx(1.3)
+
+
+def test_a_bucket_not_yet_timed_borrows_the_nearest_timed_buckets_cost_for_its_gaps():
+    """Batch 16 timed at c = 2.5 (probes 600 steps apart): bucket 8, seen only beside prefills (untimed),
+    takes 16's c for its gaps, so a batch ramping up through it does not probe every 128 steps (the
+    default's gap); its choice to draft keeps the default c. A new runner's buckets are untimed again."""
+    policy = DraftLength(3, adaptive=True)
+    slots = list(range(16))
+    run_policy(policy, slots, lambda s, k: 0, 3000, lambda k: 2.5 if k else 1.0)
+    policy.observe(1, 3, 1.2, {})
+    policy.observe(1, 0, 1.0, {})
+    borrowed = lambda rows: policy.cost(rows, borrow=True)
+    assert borrowed(8) == borrowed(4) == policy.cost(16) == pytest.approx(2.5)  # 4: as near 1 as 16
+    assert borrowed(2) == policy.cost(1) == pytest.approx(1.2)  # bucket 1 is nearer than 16
+    assert policy.cost(8) == DEFAULT_COST
+    assert policy.longest_gap(8) == 600 and policy.probe == 600
+    policy.since_drafting = 0  # as after a probe
+    for _ in range(600):
+        assert policy.choose(8, slots[:8]) == 0
+        policy.observe(8, 0, None, {s: 0 for s in slots[:8]})
+    assert policy.choose(8, slots[:8]) == 3  # the probe comes
+    policy.observe(1, 0, 1.0, {}, runner=1)
+    assert borrowed(8) == DEFAULT_COST and policy.longest_gap(8) == PROBE_MAX
+
+
+def test_a_slot_left_alone_drafts_where_drafting_pays_whatever_the_batch_cost():
+    """16 slots accepting 1 of 3 at c = 2.5 do not draft (16 < 24); when 15 leave, the last one alone at
+    bucket 1 (c = 1.3 there, never timed: its steps while the others were admitted shared a prefill's
+    plan) drafts from its first step: 2 tokens per 1.3 steps. Borrowing bucket 16's c would wait for a
+    probe 600 steps away."""
+    policy = DraftLength(3, adaptive=True)
+    slots = list(range(16))
+    run_policy(policy, slots, lambda s, k: 1 if k else 0, 2000, lambda k: 2.5 if k else 1.0)
+    for s in slots[1:]:
+        policy.release(s)
+    chosen = []
+    for _ in range(100):
+        k = policy.choose(1, [0])
+        policy.observe(1, k, 1.3 if k else 1.0, {0: 1 if k else 0})
+        chosen.append(k)
+    assert chosen[0] == 3 and chosen.count(3) > 90
 
 
 def test_without_adaptive_every_step_drafts():

@@ -22,16 +22,20 @@ pending: with an EAGLE-3 draft, the bonus token copied).
 
 Estimates of slots that have not drafted lately go stale: after `probe` steps without drafting the
 batch drafts for two steps (the first verifies what a step without drafts left pending, the bonus token
-copied, so only the second measures), and the gap doubles until drafting pays again, up to
-max(PROBE_MAX, 2 (c - 1) / PROBE_SHARE): two drafting steps cost 2 (c - 1) steps more than two without, so
-where drafting costs more the gap grows until probes take PROBE_SHARE of the time (PROBE_MAX = 128 at c =
-1.3, the batch-1 cost; 600 at c = 2.5, batch 16's, where 16 slots draft only when their acceptance averages
-over 1.5 of 3). A stale estimate (a new slot's, which starts from the prior, or one whose batch chose not to
-draft since its last measure) takes its first new measure with weight STALE_SMOOTHING rather than
-SMOOTHING: a slot whose drafts are accepted recovers at its first probe (0.1 -> 1.55 on 3 accepted)
-and one whose drafts are not stops sooner. The other way round, a batch that has drafted PLAIN_PROBE
-steps in a row takes one step without drafts, so c is timed anew (c is never taken below 1, and steps
-that shared their plan with a prefill are not timed).
+copied, so only the second measures), and the gap doubles until drafting pays again. Two drafting steps
+cost 2 (c - 1) steps more than two without, so both ends of the gap scale with c: the first is
+max(PROBE_MIN, 2 (c - 1) / PROBE_FIRST_SHARE) (8 at c = 1.3, the batch-1 cost; 40 at c = 2.5, batch 16's,
+where 16 slots draft only when their acceptance averages over 1.5 of 3), the longest max(PROBE_MAX,
+2 (c - 1) / PROBE_SHARE) (128 at c = 1.3, 600 at c = 2.5), where probes take PROBE_SHARE of the time. Steps
+that share their plan with a prefill are not timed, so a bucket seen only while requests are admitted (8
+on the way to 16) takes its gaps from the nearest bucket timed, not from DEFAULT_COST's short ones.
+
+A stale estimate (a new slot's, which starts from the prior, or one whose batch chose not to draft since
+its last measure) takes its first new measure with weight STALE_SMOOTHING rather than SMOOTHING: a slot
+whose drafts are accepted recovers at its first probe (0.1 -> 1.55 on 3 accepted) and one whose drafts are
+not stops sooner. The other way round, a batch that has drafted PLAIN_PROBE steps in a row takes one step
+without drafts, so c is timed anew (c is never taken below 1, and steps that shared their plan with a
+prefill are not timed).
 
 Example, K = 3, c = 1.3: two slots with a = 1.2 and 0.1 give 1.3 > 0.6, so the batch drafts; with
 a = 0.2 and 0.1 it does not (0.3 < 0.6).
@@ -48,8 +52,9 @@ SMOOTHING = 0.25  # weight of a new observation in a slot's acceptance average
 STALE_SMOOTHING = 0.5  # its weight when the slot's average is stale (new slot, or steps without drafts)
 TIMED = 15  # step times kept per (batch bucket, k): c is the ratio of their medians
 PRIOR_SMOOTHING = 0.1  # weight of a slot's observation in the prior new slots start from
-DEFAULT_COST = 1.3  # c before both variants were timed at a batch bucket
-PROBE_MIN, PROBE_MAX = 8, 128  # steps without drafting before a probe
+DEFAULT_COST = 1.3  # c before both variants were timed at a batch bucket (for the gaps: at any)
+PROBE_MIN, PROBE_MAX = 8, 128  # steps without drafting before a probe: the first gap, the longest (c <= 1.3)
+PROBE_FIRST_SHARE = 0.075  # the share of the time probes take at the first gap (2 x 0.3 / PROBE_MIN)
 PROBE_SHARE = 0.005  # with a draft that never pays, the share of the time its probes may take (gaps grow)
 PLAIN_PROBE = 256  # drafting steps in a row before one without drafts (c timed anew)
 
@@ -66,7 +71,7 @@ class DraftLength:
     seconds: dict[tuple[int, int], deque[float]] = field(default_factory=dict)  # (rows, k) -> last times
     since_drafting: int = 0  # steps without drafting
     since_plain: int = 0  # drafting steps in a row
-    probe: int = PROBE_MIN  # steps without drafting before the next probe
+    probe: int = PROBE_MIN  # steps without drafting before the next probe (within the bucket's gaps)
     probing: int = 0  # probe steps still to run
     runner: int = 0  # the runner the times are of
 
@@ -81,10 +86,20 @@ class DraftLength:
         self.fresh.discard(slot)
         self.stale.discard(slot)
 
-    def cost(self, rows: int) -> float:
-        """c: a drafting step's time over a step without drafts, at this batch bucket."""
-        drafting, plain = self.seconds.get((rows, self.k)), self.seconds.get((rows, 0))
-        return max(1.0, median(drafting) / median(plain)) if drafting and plain else DEFAULT_COST
+    def cost(self, rows: int, borrow: bool = False) -> float:
+        """c: a drafting step's time over a step without drafts at this batch bucket, DEFAULT_COST before
+        both were timed there. borrow (the probes' gaps): at a bucket not timed both ways, the nearest
+        bucket's that is (by powers of 2, the larger of two as near: buckets 1 and 16 timed, 8 takes 16's,
+        4 too), DEFAULT_COST before any is. The choice to draft never borrows: c grows with the batch, and
+        a larger bucket's c at a smaller one would keep a lone slot from drafting where it pays."""
+        timed = [r for r, k in self.seconds if k == self.k and (r, 0) in self.seconds]
+        if not borrow:
+            timed = [r for r in timed if r == rows]
+        if not timed:
+            return DEFAULT_COST
+        nearest = min(timed, key=lambda r: (abs(r.bit_length() - rows.bit_length()), -r))
+        drafting, plain = self.seconds[(nearest, self.k)], self.seconds[(nearest, 0)]
+        return max(1.0, median(drafting) / median(plain))
 
     def choose(self, rows: int, slots: list[int], seeded: bool = False) -> int:
         """The drafts the next step over `slots` (batch bucket `rows`) verifies: K or 0. seeded: some slot
@@ -101,17 +116,24 @@ class DraftLength:
             return self._drafting(rows)
         self.stale |= set(slots)  # not drafting because it does not pay: their next measure weighs more
         self.since_drafting += 1
-        if self.since_drafting <= min(self.probe, self.longest_gap(rows)):  # a gap grown at another bucket
+        # the gap at this bucket: one grown at another is raised to this one's shortest, cut to its longest
+        gap = min(max(self.probe, self.shortest_gap(rows)), self.longest_gap(rows))
+        if self.since_drafting <= gap:
             return 0
         self.probing = 1  # this step and the next
-        self.probe = min(2 * self.probe, self.longest_gap(rows))
+        self.probe = min(2 * gap, self.longest_gap(rows))
         self.since_drafting = 0
         return self.k
 
+    def shortest_gap(self, rows: int) -> int:
+        """The fewest steps without drafting between probes at this batch bucket: PROBE_MIN, or more where a
+        probe's two drafting steps cost over PROBE_FIRST_SHARE of that many steps (c borrowed: see cost)."""
+        return max(PROBE_MIN, _steps_for_share(self.cost(rows, borrow=True), PROBE_FIRST_SHARE))
+
     def longest_gap(self, rows: int) -> int:
         """The most steps without drafting between probes at this batch bucket: PROBE_MAX, or more where a
-        probe's two drafting steps cost over PROBE_SHARE of that many steps."""
-        return max(PROBE_MAX, math.ceil(2.0 * (self.cost(rows) - 1.0) / PROBE_SHARE))
+        probe's two drafting steps cost over PROBE_SHARE of that many steps (c borrowed: see cost)."""
+        return max(PROBE_MAX, _steps_for_share(self.cost(rows, borrow=True), PROBE_SHARE))
 
     def _drafting(self, rows: int) -> int:
         """K, or 0 once every PLAIN_PROBE drafting steps in a row, and early while steps without drafts at
@@ -147,6 +169,12 @@ class DraftLength:
                 self.prior = _mix(self.prior, n, PRIOR_SMOOTHING)
                 self.stale.discard(slot)
             self.fresh.add(slot)
+
+
+def _steps_for_share(cost: float, share: float) -> int:
+    """The steps without drafting in which a probe's extra 2 (c - 1) steps are `share` of the time, rounded
+    up (after rounding off float noise: c = 1.3 at 0.075 is 8, not 9)."""
+    return math.ceil(round(2.0 * (cost - 1.0) / share, 6))
 
 
 def _mix(old: float, new: float, weight: float) -> float:
