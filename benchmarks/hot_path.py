@@ -1,6 +1,7 @@
 """The hot path, this tree against other revisions in one run: compiled bf16 decode of SmolLM2-135M at batch
-1 and 8, the compiled EAGLE-3 K = 3 step at batch 1, and a 2,000-token prefill, on CPU. The guard every
-change to the layers, kernels, step, runner or scheduler runs (BENCHMARKS.md "Hot path").
+1 and 8 (greedy, and sampled at batch 8: the logits path), the compiled EAGLE-3 K = 3 step at batch 1, and a
+2,000-token prefill, on CPU. The guard every change to the layers, kernels, step, runner or scheduler runs
+(BENCHMARKS.md "Hot path").
 
     .venv/bin/python benchmarks/hot_path.py --before a6e12ec [--before 53aa8a4 ...] [--tokens 64] [--rounds 3]
 
@@ -56,14 +57,14 @@ def _seconds(run) -> tuple[float, object]:
     return time.perf_counter() - start, out
 
 
-def _step_ms(llm, prompts: list[list[int]], tokens: int, rounds: int) -> float:
+def _step_ms(llm, prompts: list[list[int]], tokens: int, rounds: int, temperature: float = 0.0) -> float:
     """Per decode step: generate N + 1 tokens minus generate 1 (the prefill), over the steps taken."""
     from redline import SamplingParams
 
     best = float("inf")
     for _ in range(rounds):
         first, _ = _seconds(lambda: llm.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True)))
-        params = SamplingParams(max_tokens=tokens + 1, ignore_eos=True)
+        params = SamplingParams(max_tokens=tokens + 1, ignore_eos=True, temperature=temperature, seed=0)
         whole, out = _seconds(lambda p=params: llm.generate(prompts, p))
         best = min(best, (whole - first) / max(c.decode_steps for c in out))
     return best * 1e3
@@ -76,6 +77,7 @@ def _plain(target: str, prompts: list[list[int]], long_prompt: list[int], tokens
     out = {"warmup_plain_s": plain.warmup_s}
     out["plain_b1_ms"] = _step_ms(plain, prompts[:1], tokens, rounds)
     out["plain_b8_ms"] = _step_ms(plain, prompts, tokens, rounds)
+    out["sampled_b8_ms"] = _step_ms(plain, prompts, tokens, rounds, temperature=0.8)  # the logits path
     first = SamplingParams(max_tokens=1, ignore_eos=True)
     out["prefill_2000_ms"] = 1e3 * min(_seconds(lambda: plain.generate([long_prompt], first))[0]
                                        for _ in range(rounds))  # fmt: skip
@@ -135,6 +137,7 @@ def weight_bytes(model_dir: Path) -> int:
 def table(runs: dict[str, dict], bandwidth: float, weights: int) -> str:
     names = list(runs)
     rows = [("plain b1 ms/step", "plain_b1_ms"), ("plain b8 ms/step", "plain_b8_ms"),
+            ("sampled b8 ms/step", "sampled_b8_ms"),
             ("K=3 b1 ms/step", "k3_b1_ms"), ("prefill 2,000 ms", "prefill_2000_ms"),
             ("warm-up plain s", "warmup_plain_s"), ("warm-up K=3 s", "warmup_k3_s")]  # fmt: skip
     lines = ["| | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]

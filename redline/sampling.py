@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from redline.structured_spec import StructuredOutputs
+
 _MASK32 = 0xFFFFFFFF
 MAX_LOGPROBS = 20  # top log-probabilities a token can report (OpenAI's top_logprobs limit)
 MAX_REPETITION_PENALTY = 10.0
@@ -33,6 +35,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # divides logits > 0, multiplies those < 0, of prompt and output tokens
     logprobs: int | None = None  # per generated token its log-probability and the top N (0: none); None = off
     prompt_logprobs: int | None = None  # the same for every prompt token after the first; None = off
+    structured: StructuredOutputs | None = None  # the output must match it (structured_spec.py)
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -57,6 +60,8 @@ class SamplingParams:
             v = getattr(self, name)
             check(name, v is None or int_in(v, 0, MAX_LOGPROBS), f"None or an integer in [0, {MAX_LOGPROBS}]")
         check("seed", self.seed is None or isinstance(self.seed, int), "an integer")
+        check("structured", self.structured is None or isinstance(self.structured, StructuredOutputs),
+              "None or a StructuredOutputs")  # fmt: skip
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         check("stop", all(isinstance(s, str) and s for s in stops), "a non-empty string or a list of them")
         self.stop_strings = tuple(stops)
@@ -72,8 +77,9 @@ class SamplingParams:
     @property
     def needs_logits(self) -> bool:
         """Whether the step must compute this request's logits (the sampling path): it samples, has
-        penalties, or asks for logprobs. Otherwise an argmax suffices."""
-        return not self.greedy or self.penalized or self.logprobs is not None
+        penalties, asks for logprobs or follows a grammar (its mask applies to the logits). Otherwise an
+        argmax suffices."""
+        return not self.greedy or self.penalized or self.logprobs is not None or self.structured is not None
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
@@ -124,13 +130,18 @@ class SamplingTensors:
     presence: torch.Tensor  # [B] fp32 presence penalty, 0 = off
     frequency: torch.Tensor  # [B] fp32 frequency penalty, 0 = off
     repetition: torch.Tensor  # [B] fp32 repetition penalty, 1 = off
+    # [B, R, W] int32: token bitmasks of a step's R rows (structured/bitmask.py), -1 (all bits) = all allowed
+    allowed: torch.Tensor
 
     @classmethod
-    def zeros(cls, rows: int, device: torch.device) -> SamplingTensors:
-        """Greedy, unfiltered and unpenalized rows."""
+    def zeros(cls, rows: int, device: torch.device, mask_rows: int = 1, vocab: int = 32) -> SamplingTensors:
+        """Greedy, unfiltered, unpenalized and unconstrained rows; masks for steps of up to mask_rows rows
+        over `vocab` tokens (the defaults serve tests of the filters alone: a step needs the model's)."""
         zero = lambda dtype=torch.float32: torch.zeros(rows, dtype=dtype, device=device)
         one = torch.ones(rows, device=device)
-        return cls(zero(), zero(torch.int64), one, zero(torch.int64), zero(), zero(), zero(), one.clone())
+        allowed = torch.full((rows, mask_rows, -(-vocab // 32)), -1, dtype=torch.int32, device=device)
+        return cls(zero(), zero(torch.int64), one, zero(torch.int64), zero(), zero(), zero(), one.clone(),
+                   allowed)  # fmt: skip
 
     def rows(self, start: int, stop: int) -> SamplingTensors:
         """Views of rows start .. stop - 1 (a batch bucket, or one slot for prefill)."""
@@ -140,7 +151,7 @@ class SamplingTensors:
         """The rows of `slots` [B] (a batched prefill's), in that order."""
         t, s = self, slots
         return SamplingTensors(t.temperature[s], t.top_k[s], t.top_p[s], t.seed[s], t.min_p[s],
-                               t.presence[s], t.frequency[s], t.repetition[s])  # fmt: skip
+                               t.presence[s], t.frequency[s], t.repetition[s], t.allowed[s])  # fmt: skip
 
 
 def filtered_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

@@ -95,6 +95,11 @@ class Tokenizer:
             extra_eos_ids=extra_eos_ids,
         )
 
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The tokenizers library's object (structured outputs read its vocabulary and kind)."""
+        return self._backend
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         wants_bos = add_special_tokens and self.add_bos_token and self.bos_token_id is not None

@@ -10,8 +10,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent / "redline"
 # Lowest first: a part may import only the parts before it (and itself).
 LAYERS = [
-    "config", "dtypes", "draft_tree", "engine_config", "engine_flags", "sampling", "logprobs", "penalties",
-    "failures", "tokenizer", "data", "kernels", "parallel", "quant", "layers", "models", "speculative",
+    "config", "dtypes", "draft_tree", "engine_config", "engine_flags", "structured_spec", "sampling",
+    "logprobs", "penalties", "failures", "tokenizer", "structured", "data", "kernels", "parallel", "quant",
+    "layers", "models", "speculative",
     "runner", "engine", "train", "evaluate", "benchmark", "server", "demo", "cli", "__init__", "__main__",
 ]  # fmt: skip
 

@@ -191,7 +191,7 @@ LONG = "word " * 600
 
 USER = [{"role": "user", "content": "x"}]
 IMAGE = [{"role": "user", "content": [{"type": "image"}]}]
-JSON_MODE = {"type": "json_object"}
+NO_SCHEMA = {"type": "json_schema"}  # json_schema missing
 MALFORMED = [
     ("POST", "/v1/completions", b"{not json", 400),
     ("POST", "/v1/completions", b"[1, 2]", 400),
@@ -240,9 +240,10 @@ MALFORMED = [
     ("POST", "/v1/chat/completions", {"model": MODEL, "messages": USER, "tools": [{"a": 1}]}, 400),
     ("POST", "/v1/chat/completions", {"model": MODEL, "messages": USER, "min_p": 1.5}, 400),
     ("POST", "/v1/chat/completions", {"model": MODEL, "messages": USER, "repetition_penalty": 0}, 400),
-    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": USER, "response_format": JSON_MODE}, 400),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": USER, "response_format": NO_SCHEMA}, 400),
     ("POST", "/v1/chat/completions", {"model": MODEL, "messages": USER, "tool_choice": "auto"}, 400),
-    ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "guided_json": {"type": "object"}}, 400),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "guided_json": '{"type": "objec'}, 400),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "guided_regex": "(a"}, 400),
     ("POST", "/v1/completions", b"x" * (2 << 20), 413),
     ("GET", "/v1/completions", None, 405),
     ("GET", "/v1/nothing-here", None, 404),

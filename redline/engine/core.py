@@ -162,14 +162,16 @@ class EngineCore:
         prefill = self._chunks_alone(plan.prefill, cause)
         if scheduler.unusable is not None or plan.decode is None:
             return scheduler.update(StepResult(prefill))
-        decode_only = StepPlan(released=scheduler.take_released(), decode=plan.decode)
+        decode_only = StepPlan(released=scheduler.take_released(), decode=plan.decode, masks=plan.masks,
+                               read_pending=plan.read_pending)  # fmt: skip
         try:
-            decode = self.executor.execute(decode_only).decode
+            result = self.executor.execute(decode_only)
+            decode, pending = result.decode, result.pending
         except StageError as failed:
             decoding = scheduler.planned_requests("decode step")
             scheduler.fail_stage("decode step", failed.__cause__ or failed, decoding)
-            decode = None
-        return scheduler.update(StepResult(prefill, decode))
+            decode, pending = None, {}
+        return scheduler.update(StepResult(prefill, decode, pending))
 
     def _chunks_alone(self, batch: PrefillBatch, cause: BaseException) -> list[ChunkResult | None]:
         """After a prefill forward raised: each chunk again alone, failing only those that raise again

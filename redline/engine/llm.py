@@ -12,6 +12,7 @@ engine loop drive.
 from __future__ import annotations
 
 import json
+import threading
 import time
 import weakref
 from collections.abc import Iterator, Sequence
@@ -33,6 +34,8 @@ from redline.runner.build import build_single, context_len, shapes_of
 from redline.runner.model_runner import ModelRunner
 from redline.runner.warm_up import needs_warm_up, warm_up
 from redline.sampling import SamplingParams
+from redline.structured.grammar import GrammarCompiler, StructuredError
+from redline.structured.matcher import RequestGrammar
 from redline.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
@@ -121,6 +124,8 @@ class LLM:
                 warm_up(self.executor, progress)
             self.warmup_s = time.perf_counter() - start
         shapes = shapes_of(config, self.model_config)
+        self._grammars: GrammarCompiler | None = None  # built at the first structured request
+        self._grammars_lock = threading.Lock()  # the server makes requests on its HTTP thread
         draft = config.speculative.model is not None  # a cached block's key covers the next token too
         scheduler = Scheduler(shapes, self.executor.num_blocks, config.scheduler.prefill_tokens,
                               config.cache.enable_prefix_caching, draft)  # fmt: skip
@@ -213,5 +218,13 @@ class LLM:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context window "
                 f"of {self.max_seq_len} tokens"
             )
+        grammar = None
+        if params.structured is not None:  # StructuredError (a ValueError) when it does not compile
+            with self._grammars_lock:
+                if self._grammars is None:
+                    self._grammars = GrammarCompiler(self.tokenizer, vocab, self.tokenizer.eos_token_ids)
+            grammar = RequestGrammar(self._grammars.compile(params.structured), vocab)
+            if not grammar.allows_output():
+                raise StructuredError("the structured output allows no text at all (its language is empty)")
         return Request(ids, params, self.tokenizer, self.tokenizer.eos_token_ids,
-                       num_draft_tokens=self.num_draft_tokens, group=group)  # fmt: skip
+                       num_draft_tokens=self.num_draft_tokens, group=group, grammar=grammar)  # fmt: skip

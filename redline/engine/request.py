@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from redline.logprobs import TokenLogprob
 from redline.sampling import SamplingParams
+from redline.structured.matcher import RequestGrammar
 from redline.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
 
@@ -62,6 +63,9 @@ class Request:
     group: object | None = None  # the n samples of one prompt share it (and, through the cache, its prefill)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of output_ids, with SamplingParams.logprobs
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # with .prompt_logprobs
+    grammar: RequestGrammar | None = None  # structured outputs: what its tokens must match
+    # with a grammar: the device's pending tokens and a tree's parents after the last plan (None: unknown)
+    pending: tuple[list[int], list[int] | None] | None = None
 
     def __post_init__(self) -> None:
         self.seed = (self.params.seed if self.params.seed is not None else random.getrandbits(63)) & (
@@ -114,7 +118,9 @@ class Request:
             self.output_ids.append(token)
             if logprobs is not None:
                 self.logprobs.append(logprobs[i])
-            if token in self.eos_ids and not self.params.ignore_eos:
+            if self.grammar is not None:
+                self.grammar.commit([token])
+            if (token in self.eos_ids and not self.params.ignore_eos) or (self.grammar and self.grammar.done):
                 self.finish_reason = "stop"
                 piece += self._final_text()
                 break

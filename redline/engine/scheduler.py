@@ -17,7 +17,9 @@ Each plan, in order:
    prompt prefills in chunks of 2,048 and 1,952, one per step, while the running streams decode a step
    after each; eight 100-token prompts prefill as one 8 x 112 batch.
 4. one decode step for every request past its prefill, those whose final chunk is in this plan included:
-   a prompt's final chunk gives its first token, and its slot decodes from the same step on.
+   a prompt's final chunk gives its first token, and its slot decodes from the same step on. A request
+   with structured output (a grammar) starts decoding a plan later: its step's token masks need that
+   first token and the draft's proposals after it, which the runner reads back (engine/grammar_masks.py).
 
 The result: each request's new tokens through Request.accept (stops, text), finished requests' slots
 freed (told to the runner in the next plan), final prefill chunks' full blocks offered to the prefix cache.
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 
 from redline.engine.blocks import BlockPool, BlockTable, OutOfBlocks
 from redline.engine.draft_length import DraftLength
+from redline.engine.grammar_masks import first_token_mask, step_mask
 from redline.engine.request import Request
 from redline.failures import DeviceUnusableError, describe, device_unusable
 from redline.kernels.paged_kv import BLOCK
@@ -46,6 +49,7 @@ from redline.runner.plan import (
     StepPlan,
     StepResult,
     TableUpdate,
+    TokenMask,
 )
 
 log = logging.getLogger("redline.engine")
@@ -59,6 +63,8 @@ class Planned:
 
     chunks: list[tuple[Request, PrefillChunk]] = field(default_factory=list)
     decoding: dict[int, Request] = field(default_factory=dict)  # slot -> request, admission order
+    masks: list[TokenMask] = field(default_factory=list)  # structured outputs' (engine/grammar_masks.py)
+    unread: list[int] = field(default_factory=list)  # prefilled constrained slots whose pending is unknown
 
 
 class Scheduler:
@@ -109,7 +115,9 @@ class Scheduler:
             self._admit()
         prefill = self._plan_prefill() if self.unusable is None else None
         decode = self._plan_decode() if self.unusable is None else None
-        plan = StepPlan(tuple(self._released), tuple(self._tables), tuple(self._admitted), prefill, decode)
+        masks, unread = tuple(self.planned.masks), tuple(self.planned.unread)
+        plan = StepPlan(tuple(self._released), tuple(self._tables), tuple(self._admitted), prefill, decode,
+                        masks, tuple(m.slot for m in masks) + unread)  # fmt: skip
         self._released, self._tables, self._admitted = [], [], []
         return plan
 
@@ -219,7 +227,10 @@ class Scheduler:
                     break
                 chunk = min(chunk, length)  # a row no longer than the others still fits
             length = max(length, chunk)
-            self.planned.chunks.append((request, self._chunk(request, request.computed + chunk)))
+            planned = self._chunk(request, request.computed + chunk)
+            self.planned.chunks.append((request, planned))
+            if planned.final and request.grammar is not None:
+                self.planned.masks.append(first_token_mask(request, request.slot))
         if not self.planned.chunks:
             return None
         logits = any(r.params.needs_logits for r, _ in self.planned.chunks)
@@ -231,17 +242,23 @@ class Scheduler:
         assert sequence is not None and request.slot is not None
         final = end == len(sequence)
         prompt_top = None if request.prompt_logprobs_done else params.prompt_logprobs
+        decodes = _decodes_after(request) and request.grammar is None  # a grammar's mask needs the token
         return PrefillChunk(
             request.slot, tuple(sequence[start:end]), start, final, 0 if final else sequence[end],
-            _decodes_after(request), params.logprobs if final else None, prompt_top, len(request.prompt_ids),
+            decodes, params.logprobs if final else None, prompt_top, len(request.prompt_ids),
         )  # fmt: skip
 
     def _plan_decode(self) -> DecodeBatch | None:
         """Every request past its prefill, and those whose final chunk this plan runs (unless their first
-        token, from the prefill, is all they asked for: max_tokens 0 or 1), in admission order."""
+        token, from the prefill, is all they asked for: max_tokens 0 or 1, or they follow a grammar), in
+        admission order; a grammar's masks for each constrained one."""
         first_at = {c.slot: c.end for _, c in self.planned.chunks if c.final and c.decodes}
         decoding, last = self.planned.decoding, 0  # last: the furthest pending token's position
         for slot, request in self.running.items():
+            if request.grammar is not None and request.pending is None:
+                if request.prefill_ids is None:  # after a recovery that read nothing: read now
+                    self.planned.unread.append(slot)
+                continue  # its pending tokens come back with this plan (its final chunk's)
             if request.prefill_ids is None or slot in first_at:
                 decoding[slot] = request
                 last = max(last, request.position if request.prefill_ids is None else first_at[slot])
@@ -252,6 +269,9 @@ class Scheduler:
         logprobs = {s: r.params.logprobs for s, r in decoding.items() if r.params.logprobs is not None}
         seeded = any(r.params.seed is not None and r.params.temperature > 0 for r in decoding.values())
         k = self.draft_length.choose(rows, list(decoding), seeded)
+        for slot, request in decoding.items():
+            if request.grammar is not None:
+                self.planned.masks.append(step_mask(request, slot, k, self.shapes))
         return DecodeBatch(rows, self.shapes.kv_len_for(last), logits, logprobs, k)
 
     # ---- results ----
@@ -260,6 +280,9 @@ class Scheduler:
         """Takes the executed plan's result: prefill progress and first tokens, the step's tokens. Returns
         (request, new text) for every request that received tokens or finished, failed ones too."""
         events, self._events = self._events, []
+        for slot, pending in result.pending.items():  # constrained requests' next masks start there
+            if (request := self.running.get(slot)) is not None:
+                request.pending = pending
         for (request, chunk), done in zip(self.planned.chunks, result.prefill, strict=False):
             if done is not None and not request.finished:
                 self._prefilled(request, chunk, done, events)
@@ -333,7 +356,7 @@ class Scheduler:
         """Gives the request's blocks back; it waits first in the queue to be prefilled again."""
         assert request.slot is not None
         self._free(request.slot)
-        request.slot, request.prefill_ids = None, None
+        request.slot, request.prefill_ids, request.pending = None, None, None
         if not request.prompt_logprobs_done:  # its prefill starts over at the first token
             request.prompt_logprobs.clear()
         request.preemptions += 1

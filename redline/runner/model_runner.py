@@ -70,9 +70,9 @@ class ModelRunner:
         draft_vocab = draft.config.draft_vocab_size if draft is not None else None
         history_len = None if shapes.ngram is None else shapes.cache_len
         nodes = None if shapes.tree is None else shapes.tree.nodes
-        state = DecodeState.empty(shapes.slots, shapes.k, model.config.vocab_size, draft_vocab, self.device,
-                                  history_len, nodes)  # fmt: skip
-        sampling = SamplingTensors.zeros(shapes.slots, self.device)
+        vocab = model.config.vocab_size
+        state = DecodeState.empty(shapes.slots, shapes.k, vocab, draft_vocab, self.device, history_len, nodes)
+        sampling = SamplingTensors.zeros(shapes.slots, self.device, state.pending.shape[1], vocab)
         # steps without drafts leave the draft's keys to a pass every DEFERRED of them (deferred_keys.py)
         self.deferred = DeferredKeys.for_draft(draft, shapes.slots, 0 in shapes.variants, self.device)
         self._deferred_steps = self._deferred_rows = 0  # such steps since the last pass; their widest batch
@@ -213,9 +213,10 @@ class ModelRunner:
             # queued prefill work, or the deferred keys' pass, would be in its time
             if decoded is not None and (plan.prefill is not None or self._flushed):
                 decoded.seconds = None
+            pending = self.slots.pending(plan.read_pending) if plan.read_pending else {}
         except Exception as error:
             raise StageError("read") from error
-        return StepResult(results, decoded)
+        return StepResult(results, decoded, pending)
 
     def _read_prefill(self, plan: StepPlan, prefilled: DevicePrefill | None) -> list:
         return [] if plan.prefill is None or prefilled is None else Prefill.read(plan.prefill, prefilled)

@@ -3,9 +3,11 @@ shapes both must agree on (Shapes). Plain, picklable values: under tensor parall
 plan to every rank once per step (runner/ranks.py).
 
 A plan is applied in order: slots released (their requests left), block-table rows written, slots set up
-for new requests (sampling parameters, penalty counts), one prefill forward, one decode step. A request
-whose final prefill chunk runs in a plan decodes in the same plan: the prefill leaves its slot ready
-(pending token, position), and the decode step reads it.
+for new requests (sampling parameters, penalty counts), structured outputs' token masks, one prefill
+forward, one decode step, and the pending tokens of the slots in read_pending read back. A request whose
+final prefill chunk runs in a plan decodes in the same plan: the prefill leaves its slot ready (pending
+token, position), and the decode step reads it; one with a grammar decodes from the next plan on
+(TokenMask).
 
 Example: slot 2 finished last step; a 40-token prompt joins slot 2 with blocks 7, 8, 9 (40 tokens plus a
 step's lookahead); slots 0 and 1 decode at positions 90 and 17:
@@ -19,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+import torch
 
 from redline.draft_tree import TreeShape
 from redline.kernels.paged_kv import BLOCK, kv_bucket
@@ -82,7 +86,8 @@ class PrefillChunk:
     start: int
     final: bool  # the chunk that ends the sequence: its last row gives the first new token
     next_token: int = 0  # the token at start + len(tokens) (not final: the next chunk's first)
-    decodes: bool = True  # final: the slot decodes after its first token (not when that is all it asked)
+    decodes: bool = True  # final: the slot decodes in this plan after its first token (not when that is
+    # all it asked, nor with a grammar: it starts with its first TokenMask)
     logprobs: int | None = None  # final: report the first token's logprob with the top N
     prompt_logprobs: int | None = None  # report the logprobs of the prompt tokens after each row (top N)
     prompt_len: int = 0  # with prompt_logprobs: positions [0, prompt_len) are the prompt
@@ -108,16 +113,40 @@ class DecodeBatch:
 
 
 @dataclass(frozen=True)
+class TokenMask:
+    """A structured-output slot's allowed tokens for the rows this plan runs (structured/matcher.py): a
+    final prefill chunk's first token (one row), or a decode step's k + 1 rows (a tree's N). A slot that
+    follows a grammar does not decode in the plan of its final chunk (its masks need the first token):
+    its first decode step's mask sets it decoding (`decodes`)."""
+
+    slot: int
+    rows: int  # T
+    bits: bytes  # [T, W] int32, as bytes (a plan travels to tensor-parallel ranks as plain values)
+    decodes: bool  # a decode step's rows: the slot decodes in this plan
+
+    @classmethod
+    def of(cls, slot: int, bits: torch.Tensor, decodes: bool) -> TokenMask:  # bits [T, W] int32
+        return cls(slot, bits.shape[0], bits.numpy().tobytes(), decodes)
+
+    def tensor(self) -> torch.Tensor:  # [T, W] int32
+        return torch.frombuffer(bytearray(self.bits), dtype=torch.int32).view(self.rows, -1)
+
+
+@dataclass(frozen=True)
 class StepPlan:
     released: tuple[int, ...] = ()
     tables: tuple[TableUpdate, ...] = ()
     admitted: tuple[SlotSetup, ...] = ()
     prefill: PrefillBatch | None = None
     decode: DecodeBatch | None = None
+    masks: tuple[TokenMask, ...] = ()  # applied after the set-ups
+    read_pending: tuple[int, ...] = ()  # slots whose pending tokens come back (their next masks need them)
 
     @property
     def empty(self) -> bool:
-        return not (self.released or self.tables or self.admitted or self.prefill or self.decode)
+        parts = (self.released, self.tables, self.admitted, self.prefill, self.decode, self.masks,
+                 self.read_pending)  # fmt: skip
+        return not any(parts)
 
 
 @dataclass
@@ -141,6 +170,8 @@ class DecodeResult:
 class StepResult:
     prefill: list[ChunkResult] = field(default_factory=list)  # per chunk of plan.prefill
     decode: DecodeResult | None = None
+    # plan.read_pending's slots: their pending tokens after the plan, and a draft tree's parents
+    pending: dict[int, tuple[list[int], list[int] | None]] = field(default_factory=dict)
 
 
 class StageError(RuntimeError):

@@ -13,6 +13,7 @@ from redline.models.kv_cache import KVCache
 from redline.runner.plan import SlotSetup, StepPlan, TableUpdate
 from redline.sampling import SamplingTensors
 from redline.speculative.step import DecodeState
+from redline.structured.bitmask import ALL_ALLOWED
 
 
 @dataclass
@@ -27,14 +28,25 @@ class DeviceSlots:
         return self.state.pos.device
 
     def apply(self, plan: StepPlan) -> None:
-        """Releases, then table rows, then set-ups: a slot freed and taken again in one plan ends up set
-        for its new request."""
+        """Releases, then table rows, then set-ups, then structured outputs' masks: a slot freed and taken
+        again in one plan ends up set for its new request."""
         for slot in plan.released:
             self.release(slot)
         for update in plan.tables:
             self.write_table(update)
         for setup in plan.admitted:
             self.set_up(setup)
+        for mask in plan.masks:
+            self.sampling.allowed[mask.slot, : mask.rows] = mask.tensor().to(self.device)
+            if mask.decodes:  # its final chunk left it waiting for this mask (plan.TokenMask)
+                self.state.active[mask.slot] = True
+
+    def pending(self, slots: tuple[int, ...]) -> dict[int, tuple[list[int], list[int] | None]]:
+        """The slots' pending tokens (the bonus, then the drafts) and a draft tree's parents, on the host."""
+        index = torch.tensor(slots, device=self.device)
+        tokens = self.state.pending[index].tolist()
+        parents = None if self.state.parents is None else self.state.parents[index].tolist()
+        return {s: (tokens[i], None if parents is None else parents[i]) for i, s in enumerate(slots)}
 
     def copy_from(self, other: DeviceSlots) -> None:
         """Takes over another runner's per-slot state (block tables, decode state, sampling) in place; the
@@ -66,6 +78,7 @@ class DeviceSlots:
             strict=True,
         ):
             tensor[slot] = value
+        s.allowed[slot] = ALL_ALLOWED  # a grammar's masks come with each plan (apply)
         if setup.tokens is not None:
             ids = torch.tensor(setup.tokens, dtype=torch.int64, device=self.device)
             state = self.state

@@ -27,6 +27,7 @@ from redline.server.errors import APIError, internal
 from redline.server.metrics import Metrics
 from redline.server.responses import Choice, Responder, error_event, sse
 from redline.server.schema import openapi_schema
+from redline.structured.grammar import StructuredError
 from redline.tokenizer import TokenizerError
 
 MAX_BODY_BYTES = 1 << 20
@@ -96,6 +97,8 @@ class Server:
                 seed = None if params.seed is None else params.seed + j
                 try:
                     request = self.llm.make_request(ids, dataclasses.replace(params, seed=seed), group)
+                except StructuredError as e:  # a schema, regex or grammar that does not compile
+                    raise APIError(400, f"{parsed.structured_field}: {e}", parsed.structured_field) from e
                 except ValueError as e:
                     param = "max_tokens" if "context window" in str(e) else "prompt"
                     raise APIError(400, str(e), param) from e

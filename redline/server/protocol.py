@@ -6,7 +6,8 @@ becomes an OpenAI-shaped 400 naming its field ("messages[0].role"). Unknown fiel
 send many: user, metadata, store, ...). What a field's type cannot say is checked after parsing, against
 the served model: its id (404), context window and vocabulary, and the rules between fields (best_of = n,
 top_logprobs with logprobs, max_tokens 0 only with echo). Fields whose non-default values would change
-the output and that redline cannot honour yet (suffix, logit_bias, tools, guided decoding, ...) get a 400.
+the output and that redline cannot honour yet (suffix, logit_bias, tools, ...) get a 400. Structured
+output's fields live in server/structured_fields.py.
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Fiel
 
 from redline.sampling import MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TOP_K, SamplingParams
 from redline.server.errors import APIError, invalid
+from redline.server.structured_fields import StructuredFields
+from redline.structured_spec import StructuredOutputs
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range: [0, 2]
 MAX_STOP_STRINGS = 16  # lm-eval sends a task's stop sequences and the eos string: humaneval's are 6
 MAX_N = 16  # samples per prompt
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
-REFUSED = ("tools", "functions", "logit_bias", "suffix", "prompt_logprobs", "guided_json", "guided_regex",
-           "guided_choice", "guided_grammar", "structured_outputs")  # fmt: skip
+REFUSED = ("tools", "functions", "logit_bias", "suffix", "prompt_logprobs")
 
 
 def _whole(value: Any) -> Any:
@@ -97,12 +99,7 @@ class Message(Body):
         return {"role": self.role, "content": content}
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    type: Literal["text"]
-
-
-class Sampling(Body):
+class Sampling(StructuredFields, Body):
     """The fields /v1/completions and /v1/chat/completions share."""
 
     model: str = Field(description="the served model's id (GET /v1/models); any other is a 404")
@@ -119,11 +116,12 @@ class Sampling(Body):
     presence_penalty: Penalty | None = 0.0
     frequency_penalty: Penalty | None = 0.0
     repetition_penalty: RepetitionPenalty | None = Field(1.0, description="1: off")
-    response_format: ResponseFormat | None = None
     tool_choice: Literal["none"] | None = None
     user: str | None = None
 
-    def params(self, max_tokens: int, logprobs: int | None, echo: bool) -> SamplingParams:
+    def params(
+        self, max_tokens: int, logprobs: int | None, echo: bool, structured: StructuredOutputs | None
+    ) -> SamplingParams:
         """With echo, the prompt's logprobs are computed when the tokens' are asked for, or max_tokens is
         0."""
         given = lambda value, default: default if value is None else value
@@ -136,6 +134,7 @@ class Sampling(Body):
             repetition_penalty=given(self.repetition_penalty, 1.0),
             logprobs=logprobs,
             prompt_logprobs=(logprobs or 0) if echo and (logprobs is not None or max_tokens == 0) else None,
+            structured=structured,
         )  # fmt: skip
 
 
@@ -247,6 +246,7 @@ class Parsed:
     max_tokens_given: bool
     n: int = 1  # samples of each prompt, as choices prompt_index * n + sample_index
     echo: bool = False  # completions: the prompt's text (and logprobs) before the completion
+    structured_field: str | None = None  # the field that asked for structured output (its errors' param)
 
 
 def _refuse_unsupported(data: dict, chat: bool) -> None:
@@ -256,8 +256,6 @@ def _refuse_unsupported(data: dict, chat: bool) -> None:
             raise invalid(key, "is not supported")
     if data.get("length_penalty") not in (None, 1):
         raise invalid("length_penalty", "is not supported (use 1)")
-    if data.get("response_format") not in (None, {"type": "text"}):
-        raise invalid("response_format", 'is not supported (only {"type": "text"})')
     if data.get("tool_choice") not in (None, "none"):
         raise invalid("tool_choice", 'is not supported (only "none")')
 
@@ -290,10 +288,12 @@ def parse_request(data: Any, chat: bool, served_model: str, context: int, vocab_
     if max_tokens is not None and max_tokens > context:
         raise invalid(key, f"must be at most the context window ({context}), got {max_tokens}")
     default = context if chat else 16  # OpenAI: chat runs to the context limit, completions default to 16
-    params = body.params(default if max_tokens is None else max_tokens, logprobs, echo)
+    structured, structured_field = body.structured()
+    params = body.params(default if max_tokens is None else max_tokens, logprobs, echo, structured)
     messages = [m.text() for m in body.messages] if isinstance(body, ChatCompletionRequest) else None
     include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
-    return Parsed(prompts, messages, params, stream, include_usage, max_tokens is not None, body.n or 1, echo)
+    return Parsed(prompts, messages, params, stream, include_usage, max_tokens is not None, body.n or 1, echo,
+                  structured_field)  # fmt: skip
 
 
 def parse_tokenize(data: Any, served_model: str) -> TokenizePrompt | TokenizeChat:

@@ -1,7 +1,7 @@
 """The OpenAPI 3.1 description of `redline serve`'s HTTP API, for clients, docs and the schema fuzzer:
 the request models are the ones that parse the requests (server/protocol.py), the responses' models are
-here. The fields redline cannot honour (suffix, logit_bias, tools, functions, guided_*,
-structured_outputs, prompt_logprobs, length_penalty) are left out: they get a 400.
+here. The fields redline cannot honour (suffix, logit_bias, tools, functions, prompt_logprobs,
+length_penalty) are left out: they get a 400.
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ from redline.speculative.ngram import NgramRange
 from redline.speculative.propose import DraftInputs, propose, propose_tree
 from redline.speculative.tree import chain_into_tree
 from redline.speculative.verify import greedy_verify, rejection_verify
+from redline.structured.bitmask import allowed_logits
 
 
 @dataclass
@@ -85,7 +86,8 @@ class Emitter:
         else:
             assert counts is not None and seen is not None
             logits = self.target.logits(hidden)  # [B, T, V]
-            penalized = penalize(logits, sampling, counts_after_drafts(counts, drafts), seen)
+            allowed = allowed_logits(logits, sampling.allowed[:, : logits.shape[1]])  # structured outputs
+            penalized = penalize(allowed, sampling, counts_after_drafts(counts, drafts), seen)
             q = self._draft_q(draft_probs, drafts, sampling)
             tokens, accepted = rejection_verify(filtered_probs(penalized, sampling), q, drafts, sampling.seed,
                                                 positions)  # fmt: skip

@@ -121,9 +121,10 @@ class DecodeStep:
         e = self.emit(hidden, pending[:, 1:], draft_probs, positions, sampling, counts, seen, active,
                       any_sampling, draft_inputs, history)  # fmt: skip
         st.pending[:rows] = torch.where(active[:, None], e.pending, st.pending[:rows])
-        st.pos[:rows] = pos + (e.accepted + 1) * active
+        # inactive rows keep their state: a constrained slot prefilled in the last plan waits for its masks
+        st.pos[:rows] = torch.where(active, pos + e.accepted + 1, st.pos[:rows])
         if e.draft_probs is not None and st.draft_probs is not None:
-            st.draft_probs[:rows] = e.draft_probs
+            st.draft_probs[:rows] = torch.where(active[:, None, None], e.draft_probs, st.draft_probs[:rows])
         if e.parents is not None and st.parents is not None:  # a tree's step that drafted nothing
             st.parents[:rows] = torch.where(active[:, None], e.parents, st.parents[:rows])
         # k < K: the output as wide as K's, so the host reads one layout ([x, 0, 0, 0, n_acc] for k 0, K 3)

@@ -20,6 +20,7 @@ from redline.speculative.propose import DraftInputs
 from redline.speculative.step import DecodeStep
 from redline.speculative.tree import keep_path, tree_mask, truncate_at_chunk
 from redline.speculative.tree_verify import greedy_tree_verify, sampled_tree_verify
+from redline.structured.bitmask import allowed_logits
 
 
 def counts_along_tree(
@@ -62,7 +63,8 @@ class TreeDecodeStep(DecodeStep):
             path, accepted, tokens = greedy_tree_verify(choice, pending, verified, shape.steps)
         else:
             logits = self.target.logits(hidden)  # [B, N, V]
-            penalized = penalize(logits, sampling, counts_along_tree(counts, pending, mask.bits), seen)
+            allowed = allowed_logits(logits, sampling.allowed[:, : logits.shape[1]])  # structured outputs
+            penalized = penalize(allowed, sampling, counts_along_tree(counts, pending, mask.bits), seen)
             p = filtered_probs(penalized, sampling)
             most = shape.topk + (self.emit.lookup is not None)  # children of a node: an n-gram chain's too
             path, accepted, tokens = sampled_tree_verify(p, pending, verified, shape.steps, most,
@@ -79,6 +81,6 @@ class TreeDecodeStep(DecodeStep):
         assert e.parents is not None
         st.pending[:rows] = torch.where(active[:, None], e.pending, st.pending[:rows])
         st.parents[:rows] = torch.where(active[:, None], e.parents, parents)
-        st.pos[:rows] = pos + (e.accepted + 1) * active
+        st.pos[:rows] = torch.where(active, pos + e.accepted + 1, st.pos[:rows])  # inactive rows keep theirs
         out = torch.cat((e.tokens, e.accepted[:, None]), dim=1)
         return out if e.packed is None else torch.cat((out, e.packed), dim=1)
