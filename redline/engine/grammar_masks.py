@@ -22,10 +22,8 @@ from redline.structured.matcher import words
 def first_token_mask(request: Request, slot: int) -> TokenMask:
     """The final prefill chunk's row: what the grammar allows after the tokens emitted so far."""
     assert request.grammar is not None
-    bits = torch.empty(1, words(request.grammar.vocab_size), dtype=torch.int32)
-    request.grammar.masks([0], None, bits)
     request.pending = None  # read back after this plan
-    return TokenMask.of(slot, bits, decodes=False)
+    return TokenMask.of(slot, request.grammar.next_mask(), decodes=False)
 
 
 def step_mask(request: Request, slot: int, k: int, shapes: Shapes) -> TokenMask:

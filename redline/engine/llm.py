@@ -224,7 +224,7 @@ class LLM:
                 if self._grammars is None:
                     self._grammars = GrammarCompiler(self.tokenizer, vocab, self.tokenizer.eos_token_ids)
             grammar = RequestGrammar(self._grammars.compile(params.structured), vocab)
-            if not grammar.allows_output():
+            if not grammar.next_mask().any():  # the regex [^\s\S] compiles, to a grammar that allows none
                 raise StructuredError("the structured output allows no text at all (its language is empty)")
         return Request(ids, params, self.tokenizer, self.tokenizer.eos_token_ids,
                        num_draft_tokens=self.num_draft_tokens, group=group, grammar=grammar)  # fmt: skip

@@ -38,11 +38,11 @@ class RequestGrammar:
         self.matcher = xgrammar.GrammarMatcher(compiled)  # rolls back any number of tokens
         self.vocab_size = vocab_size
 
-    def allows_output(self) -> bool:
-        """Whether any token may come first (the regex [^\\s\\S] compiles, to a grammar that allows none)."""
-        first = torch.zeros(1, words(self.vocab_size), dtype=torch.int32)
-        self.matcher.fill_next_token_bitmask(first, 0)
-        return bool(first.any())
+    def next_mask(self) -> torch.Tensor:  # [1, words] int32
+        """What may come after the committed tokens: a final prefill chunk's row."""
+        bits = torch.empty(1, words(self.vocab_size), dtype=torch.int32)
+        self.matcher.fill_next_token_bitmask(bits, 0)
+        return bits
 
     @property
     def done(self) -> bool:
