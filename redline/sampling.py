@@ -18,6 +18,7 @@ MAX_LOGPROBS = 20  # top log-probabilities a token can report (OpenAI's top_logp
 MAX_REPETITION_PENALTY = 10.0
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)
 MAX_TOP_K = 2**31 - 1  # top_k is an int64 tensor entry; anything past the vocabulary keeps it all
+MAX_LOGIT_BIAS = 100.0  # logit_bias values lie in [-100, 100] (OpenAI's range)
 
 
 @dataclass
@@ -36,6 +37,9 @@ class SamplingParams:
     logprobs: int | None = None  # per generated token its log-probability and the top N (0: none); None = off
     prompt_logprobs: int | None = None  # the same for every prompt token after the first; None = off
     structured: StructuredOutputs | None = None  # the output must match it (structured_spec.py)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (-100 bans, 100 forces)
+    allowed_token_ids: list[int] | None = None  # only these tokens may be generated (vLLM's)
+    bad_words: list[str] | None = None  # words never generated, as vLLM bans them (structured/bad_words.py)
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -62,9 +66,25 @@ class SamplingParams:
         check("seed", self.seed is None or isinstance(self.seed, int), "an integer")
         check("structured", self.structured is None or isinstance(self.structured, StructuredOutputs),
               "None or a StructuredOutputs")  # fmt: skip
+        self._check_token_controls()
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         check("stop", all(isinstance(s, str) and s for s in stops), "a non-empty string or a list of them")
         self.stop_strings = tuple(stops)
+
+    def _check_token_controls(self) -> None:
+        bias, allowed, bad = self.logit_bias, self.allowed_token_ids, self.bad_words
+        is_id = lambda token: isinstance(token, int) and not isinstance(token, bool) and token >= 0
+        in_range = lambda v: isinstance(v, int | float) and abs(v) <= MAX_LOGIT_BIAS
+        if bias is not None and not (isinstance(bias, dict) and all(is_id(t) and in_range(v)
+                                                                    for t, v in bias.items())):  # fmt: skip
+            raise ValueError(f"logit_bias must map token ids to numbers in [-{MAX_LOGIT_BIAS:g}, "
+                             f"{MAX_LOGIT_BIAS:g}]")  # fmt: skip
+        ids = isinstance(allowed, list | tuple) and allowed and all(map(is_id, allowed))
+        if allowed is not None and not ids:
+            raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+        words = isinstance(bad, list | tuple) and all(isinstance(w, str) and w.strip() for w in bad)
+        if bad is not None and not words:
+            raise ValueError("bad_words must be a list of non-blank strings")
 
     @property
     def greedy(self) -> bool:
@@ -77,9 +97,15 @@ class SamplingParams:
     @property
     def needs_logits(self) -> bool:
         """Whether the step must compute this request's logits (the sampling path): it samples, has
-        penalties, asks for logprobs or follows a grammar (its mask applies to the logits). Otherwise an
-        argmax suffices."""
-        return not self.greedy or self.penalized or self.logprobs is not None or self.structured is not None
+        penalties, asks for logprobs, follows a grammar or has token controls (masks and biases apply to the
+        logits). Otherwise an argmax suffices."""
+        return not self.greedy or self.penalized or self.logprobs is not None or self.constrained
+
+    @property
+    def constrained(self) -> bool:
+        """A grammar, a logit bias, allowed token ids or bad words."""
+        controls = (self.logit_bias, self.allowed_token_ids, self.bad_words)
+        return self.structured is not None or any(c is not None for c in controls)
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
@@ -132,6 +158,7 @@ class SamplingTensors:
     repetition: torch.Tensor  # [B] fp32 repetition penalty, 1 = off
     # [B, R, W] int32: token bitmasks of a step's R rows (structured/bitmask.py), -1 (all bits) = all allowed
     allowed: torch.Tensor
+    bias: torch.Tensor  # [B, V] fp32 added to the logits: logit_bias, -inf off allowed_token_ids, 0 = none
 
     @classmethod
     def zeros(cls, rows: int, device: torch.device, mask_rows: int = 1, vocab: int = 32) -> SamplingTensors:
@@ -140,8 +167,9 @@ class SamplingTensors:
         zero = lambda dtype=torch.float32: torch.zeros(rows, dtype=dtype, device=device)
         one = torch.ones(rows, device=device)
         allowed = torch.full((rows, mask_rows, -(-vocab // 32)), -1, dtype=torch.int32, device=device)
+        bias = torch.zeros(rows, vocab, device=device)
         return cls(zero(), zero(torch.int64), one, zero(torch.int64), zero(), zero(), zero(), one.clone(),
-                   allowed)  # fmt: skip
+                   allowed, bias)  # fmt: skip
 
     def rows(self, start: int, stop: int) -> SamplingTensors:
         """Views of rows start .. stop - 1 (a batch bucket, or one slot for prefill)."""
@@ -150,8 +178,8 @@ class SamplingTensors:
     def take(self, slots: torch.Tensor | slice) -> SamplingTensors:
         """The rows of `slots` [B] (a batched prefill's), in that order."""
         t, s = self, slots
-        return SamplingTensors(t.temperature[s], t.top_k[s], t.top_p[s], t.seed[s], t.min_p[s],
-                               t.presence[s], t.frequency[s], t.repetition[s], t.allowed[s])  # fmt: skip
+        return SamplingTensors(t.temperature[s], t.top_k[s], t.top_p[s], t.seed[s], t.min_p[s], t.presence[s],
+                               t.frequency[s], t.repetition[s], t.allowed[s], t.bias[s])  # fmt: skip
 
 
 def filtered_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Structured outputs through the HTTP API, with the official openai client: response_format json_schema
 (`beta.chat.completions.parse` with a pydantic model), vLLM's guided_* and structured_outputs fields,
-streaming and not, and the 400s of specs that do not compile."""
+streaming and not, and the 400s of specs that do not compile; the token-level controls (logit_bias,
+allowed_token_ids, bad_words)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from live_server import live  # noqa: E402
 
 from redline import LLM  # noqa: E402
 from redline.server.app import Server  # noqa: E402
+from redline.tokenizer import Tokenizer  # noqa: E402
 
 MODEL = "tiny"
 DATE = r"20\d\d-(0[1-9]|1[0-2])-[0-3]\d"
@@ -105,3 +107,27 @@ def test_specs_that_do_not_compile_are_400s_naming_the_field(client, extra, fiel
     with pytest.raises(openai.BadRequestError) as error:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=5, extra_body=extra)
     assert error.value.body["param"] == field and field in error.value.body["message"]
+
+
+def test_token_controls_over_http(client, trained):
+    """logit_bias (OpenAI's, keys as strings), allowed_token_ids and bad_words (vLLM's) shape what comes
+    out, streamed and not; ids past the vocabulary and biases past 100 are 400s naming the field."""
+    tokenizer = Tokenizer.from_dir(trained / "target")
+    [x] = tokenizer.encode("x", add_special_tokens=False)
+    letters = [tokenizer.encode(c, add_special_tokens=False)[0] for c in "ab"]
+    kw = dict(model=MODEL, prompt="class Point:\n    def __init__(", max_tokens=12, temperature=0)
+    forced = client.completions.create(**kw, logit_bias={str(x): 100}, extra_body={"ignore_eos": True})
+    assert forced.choices[0].text == "x" * 12
+    chunks = client.completions.create(**kw, stream=True, extra_body={"allowed_token_ids": letters})
+    assert set("".join(c.choices[0].text for c in chunks if c.choices)) <= set("ab")
+    tokens = lambda out: out.choices[0].logprobs.tokens
+    word = next(t for t in tokens(client.completions.create(**kw, logprobs=0)) if t.strip())  # greedy's
+    banned = client.completions.create(**kw, logprobs=0, extra_body={"bad_words": [word]})
+    assert word not in tokens(banned)
+    bad = [({"logit_bias": {"99999": 1}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
+           ({"logit_bias": {"five": 1}}, "logit_bias"), ({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
+           ({"bad_words": [""]}, "bad_words")]  # fmt: skip
+    for extra, field in bad:
+        with pytest.raises(openai.BadRequestError) as error:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=5, extra_body=extra)
+        assert error.value.body["param"].startswith(field), error.value.body

@@ -36,6 +36,8 @@ from redline.runner.warm_up import needs_warm_up, warm_up
 from redline.sampling import SamplingParams
 from redline.structured.grammar import GrammarCompiler, StructuredError
 from redline.structured.matcher import RequestGrammar
+from redline.structured.rules import TokenRules
+from redline.structured.token_controls import BadWords, TokenBias, bad_word_ids, token_bias
 from redline.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
@@ -199,6 +201,27 @@ class LLM:
         a cache (on every tensor-parallel rank): `redline eval`'s perplexity and KL, tests' references."""
         return self.executor.log_probs(tokens)
 
+    def _token_rules(self, params: SamplingParams, vocab: int) -> tuple[TokenRules | None, TokenBias | None]:
+        """The request's row rules (a grammar, bad words of several tokens) and bias row (logit_bias,
+        allowed_token_ids, bad words of one token): StructuredError (a ValueError) for a spec that does not
+        compile or allows no text, ValueError for token ids past the vocabulary."""
+        for name in ("logit_bias", "allowed_token_ids"):
+            if any(t >= vocab for t in getattr(params, name) or ()):
+                raise ValueError(f"{name}: token ids must be in [0, {vocab})")
+        grammar = None
+        if params.structured is not None:
+            with self._grammars_lock:
+                if self._grammars is None:
+                    self._grammars = GrammarCompiler(self.tokenizer, vocab, self.tokenizer.eos_token_ids)
+            grammar = RequestGrammar(self._grammars.compile(params.structured), vocab)
+            if not grammar.next_mask().any():  # the regex [^\s\S] compiles, to a grammar that allows none
+                raise StructuredError("the structured output allows no text at all (its language is empty)")
+        sequences = bad_word_ids(self.tokenizer, params.bad_words or [])
+        bad_words = BadWords(sequences)
+        rules = TokenRules(vocab, grammar, bad_words) if grammar is not None or bad_words else None
+        banned = {ids[0] for ids in sequences if len(ids) == 1}
+        return rules, token_bias(params, banned)
+
     def _prompt_list(self, prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             return [prompts]  # one prompt
@@ -218,13 +241,6 @@ class LLM:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context window "
                 f"of {self.max_seq_len} tokens"
             )
-        grammar = None
-        if params.structured is not None:  # StructuredError (a ValueError) when it does not compile
-            with self._grammars_lock:
-                if self._grammars is None:
-                    self._grammars = GrammarCompiler(self.tokenizer, vocab, self.tokenizer.eos_token_ids)
-            grammar = RequestGrammar(self._grammars.compile(params.structured), vocab)
-            if not grammar.next_mask().any():  # the regex [^\s\S] compiles, to a grammar that allows none
-                raise StructuredError("the structured output allows no text at all (its language is empty)")
-        return Request(ids, params, self.tokenizer, self.tokenizer.eos_token_ids,
-                       num_draft_tokens=self.num_draft_tokens, group=group, grammar=grammar)  # fmt: skip
+        rules, bias = self._token_rules(params, vocab)
+        return Request(ids, params, self.tokenizer, self.tokenizer.eos_token_ids, rules=rules, bias=bias,
+                       num_draft_tokens=self.num_draft_tokens, group=group)  # fmt: skip

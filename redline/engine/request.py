@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 from redline.logprobs import TokenLogprob
 from redline.sampling import SamplingParams
-from redline.structured.matcher import RequestGrammar
+from redline.structured.rules import TokenRules
+from redline.structured.token_controls import TokenBias
 from redline.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
 
@@ -63,8 +64,9 @@ class Request:
     group: object | None = None  # the n samples of one prompt share it (and, through the cache, its prefill)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of output_ids, with SamplingParams.logprobs
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # with .prompt_logprobs
-    grammar: RequestGrammar | None = None  # structured outputs: what its tokens must match
-    # with a grammar: the device's pending tokens and a tree's parents after the last plan (None: unknown)
+    rules: TokenRules | None = None  # row masks: a grammar (structured outputs), bad words of several tokens
+    bias: TokenBias | None = None  # logit_bias, allowed_token_ids, bad words of one token
+    # with rules: the device's pending tokens and a tree's parents after the last plan (None: unknown)
     pending: tuple[list[int], list[int] | None] | None = None
 
     def __post_init__(self) -> None:
@@ -118,9 +120,9 @@ class Request:
             self.output_ids.append(token)
             if logprobs is not None:
                 self.logprobs.append(logprobs[i])
-            if self.grammar is not None:
-                self.grammar.commit([token])
-            if (token in self.eos_ids and not self.params.ignore_eos) or (self.grammar and self.grammar.done):
+            if self.rules is not None:
+                self.rules.commit([token])
+            if (token in self.eos_ids and not self.params.ignore_eos) or (self.rules and self.rules.done):
                 self.finish_reason = "stop"
                 piece += self._final_text()
                 break

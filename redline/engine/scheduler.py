@@ -196,12 +196,12 @@ class Scheduler:
 
     @staticmethod
     def _setup(slot: int, request: Request, tokens: list[int], lookup: bool) -> SlotSetup:
-        """The slot's sampling; its tokens so far where penalties or n-gram lookup read them."""
+        """The slot's sampling and bias row; its tokens so far where penalties or n-gram lookup read them."""
         params = request.params
         sampling = SlotSampling.of(params, request.seed)
         if not (params.penalized or lookup):
-            return SlotSetup(slot, sampling)
-        return SlotSetup(slot, sampling, tuple(tokens), len(request.prompt_ids))
+            return SlotSetup(slot, sampling, bias=request.bias)
+        return SlotSetup(slot, sampling, tuple(tokens), len(request.prompt_ids), request.bias)
 
     def _sibling_prefilling(self, request: Request) -> bool:
         """Whether another of the n samples of the request's prompt is still prefilling it (with prefix
@@ -229,7 +229,7 @@ class Scheduler:
             length = max(length, chunk)
             planned = self._chunk(request, request.computed + chunk)
             self.planned.chunks.append((request, planned))
-            if planned.final and request.grammar is not None:
+            if planned.final and request.rules is not None:
                 self.planned.masks.append(first_token_mask(request, request.slot))
         if not self.planned.chunks:
             return None
@@ -242,7 +242,7 @@ class Scheduler:
         assert sequence is not None and request.slot is not None
         final = end == len(sequence)
         prompt_top = None if request.prompt_logprobs_done else params.prompt_logprobs
-        decodes = _decodes_after(request) and request.grammar is None  # a grammar's mask needs the token
+        decodes = _decodes_after(request) and request.rules is None  # its first mask needs the token
         return PrefillChunk(
             request.slot, tuple(sequence[start:end]), start, final, 0 if final else sequence[end],
             decodes, params.logprobs if final else None, prompt_top, len(request.prompt_ids),
@@ -255,7 +255,7 @@ class Scheduler:
         first_at = {c.slot: c.end for _, c in self.planned.chunks if c.final and c.decodes}
         decoding, last = self.planned.decoding, 0  # last: the furthest pending token's position
         for slot, request in self.running.items():
-            if request.grammar is not None and request.pending is None:
+            if request.rules is not None and request.pending is None:
                 if request.prefill_ids is None:  # after a recovery that read nothing: read now
                     self.planned.unread.append(slot)
                 continue  # its pending tokens come back with this plan (its final chunk's)
@@ -270,7 +270,7 @@ class Scheduler:
         seeded = any(r.params.seed is not None and r.params.temperature > 0 for r in decoding.values())
         k = self.draft_length.choose(rows, list(decoding), seeded)
         for slot, request in decoding.items():
-            if request.grammar is not None:
+            if request.rules is not None:
                 self.planned.masks.append(step_mask(request, slot, k, self.shapes))
         return DecodeBatch(rows, self.shapes.kv_len_for(last), logits, logprobs, k)
 

@@ -29,6 +29,7 @@ from redline.kernels.paged_kv import BLOCK, kv_bucket
 from redline.logprobs import TokenLogprob
 from redline.sampling import SamplingParams
 from redline.speculative.ngram import NgramRange
+from redline.structured.token_controls import TokenBias
 
 ALIGN = 16  # prefill rows are padded to a multiple of this
 
@@ -65,6 +66,7 @@ class SlotSetup:
     sampling: SlotSampling
     tokens: tuple[int, ...] | None = None  # prompt + outputs so far: penalized requests, n-gram lookup
     prompt_len: int = 0  # tokens[:prompt_len] is the prompt
+    bias: TokenBias | None = None  # logit_bias, allowed_token_ids, bad words of one token (None: none)
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,7 @@ class DeviceSlots:
         ):
             tensor[slot] = value
         s.allowed[slot] = ALL_ALLOWED  # a grammar's masks come with each plan (apply)
+        s.bias[slot] = 0.0 if setup.bias is None else setup.bias.dense(s.bias.shape[1]).to(self.device)
         if setup.tokens is not None:
             ids = torch.tensor(setup.tokens, dtype=torch.int64, device=self.device)
             state = self.state

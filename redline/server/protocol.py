@@ -6,7 +6,7 @@ becomes an OpenAI-shaped 400 naming its field ("messages[0].role"). Unknown fiel
 send many: user, metadata, store, ...). What a field's type cannot say is checked after parsing, against
 the served model: its id (404), context window and vocabulary, and the rules between fields (best_of = n,
 top_logprobs with logprobs, max_tokens 0 only with echo). Fields whose non-default values would change
-the output and that redline cannot honour yet (suffix, logit_bias, tools, ...) get a 400. Structured
+the output and that redline cannot honour yet (suffix, tools, ...) get a 400. Structured
 output's fields live in server/structured_fields.py.
 """
 
@@ -20,7 +20,14 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError
 
-from redline.sampling import MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TOP_K, SamplingParams
+from redline.sampling import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_TOP_K,
+    SamplingParams,
+)
 from redline.server.errors import APIError, invalid
 from redline.server.structured_fields import StructuredFields
 from redline.structured_spec import StructuredOutputs
@@ -29,7 +36,8 @@ MAX_TEMPERATURE = 2.0  # OpenAI's range: [0, 2]
 MAX_STOP_STRINGS = 16  # lm-eval sends a task's stop sequences and the eos string: humaneval's are 6
 MAX_N = 16  # samples per prompt
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
-REFUSED = ("tools", "functions", "logit_bias", "suffix", "prompt_logprobs")
+MAX_BAD_WORDS = 128  # each is checked against every row's context on the host
+REFUSED = ("tools", "functions", "suffix", "prompt_logprobs")
 
 
 def _whole(value: Any) -> Any:
@@ -47,6 +55,8 @@ Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
 Temperature = Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)]
 RepetitionPenalty = Annotated[float, Field(gt=0, le=MAX_REPETITION_PENALTY)]
 TopLogprobs = Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)]
+Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
+TokenIdText = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]  # OpenAI's logit_bias keys: "50256"
 
 
 def _shape(value: Any) -> str | None:
@@ -116,6 +126,13 @@ class Sampling(StructuredFields, Body):
     presence_penalty: Penalty | None = 0.0
     frequency_penalty: Penalty | None = 0.0
     repetition_penalty: RepetitionPenalty | None = Field(1.0, description="1: off")
+    logit_bias: dict[TokenIdText, Bias] | None = Field(
+        None, description="token id (a string) -> added to its logit"
+    )
+    allowed_token_ids: TokenIds | None = Field(None, description="vLLM's: only these tokens are generated")
+    bad_words: Annotated[list[NonEmpty], Field(max_length=MAX_BAD_WORDS)] | None = Field(
+        None, description="vLLM's: words never generated"
+    )
     tool_choice: Literal["none"] | None = None
     user: str | None = None
 
@@ -135,6 +152,8 @@ class Sampling(StructuredFields, Body):
             logprobs=logprobs,
             prompt_logprobs=(logprobs or 0) if echo and (logprobs is not None or max_tokens == 0) else None,
             structured=structured,
+            logit_bias={int(t): v for t, v in self.logit_bias.items()} if self.logit_bias else None,
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words or None,
         )  # fmt: skip
 
 
@@ -285,6 +304,8 @@ def parse_request(data: Any, chat: bool, served_model: str, context: int, vocab_
         for i, prompt in enumerate(prompts):
             if isinstance(prompt, list):
                 check_token_ids(prompt, "prompt" if len(prompts) == 1 else f"prompt[{i}]", vocab_size)
+    check_token_ids([int(t) for t in body.logit_bias or {}], "logit_bias", vocab_size)
+    check_token_ids(body.allowed_token_ids or [], "allowed_token_ids", vocab_size)
     if max_tokens is not None and max_tokens > context:
         raise invalid(key, f"must be at most the context window ({context}), got {max_tokens}")
     default = context if chat else 16  # OpenAI: chat runs to the context limit, completions default to 16

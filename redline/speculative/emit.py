@@ -40,6 +40,19 @@ from redline.speculative.verify import greedy_verify, rejection_verify
 from redline.structured.bitmask import allowed_logits
 
 
+def target_probs(
+    logits: torch.Tensor,  # [B, T, V] fp32, the target's
+    sampling: SamplingTensors,  # rows B
+    counts: torch.Tensor,  # [B, T, V] the generated-token counts each row's position sees
+    seen: torch.Tensor,  # [B, V] bool
+) -> torch.Tensor:  # [B, T, V] fp32
+    """What each row's token is drawn from (a greedy row: the one-hot on its argmax): its mask (a grammar,
+    bad words), its slot's bias row (logit_bias, allowed_token_ids), the penalties, then temperature and
+    the filters."""
+    shaped = allowed_logits(logits, sampling.allowed[:, : logits.shape[1]]) + sampling.bias[:, None]
+    return filtered_probs(penalize(shaped, sampling, counts, seen), sampling)
+
+
 @dataclass
 class Emitted:
     tokens: torch.Tensor  # [B, T]: the first n_acc + 1 are new
@@ -86,11 +99,9 @@ class Emitter:
         else:
             assert counts is not None and seen is not None
             logits = self.target.logits(hidden)  # [B, T, V]
-            allowed = allowed_logits(logits, sampling.allowed[:, : logits.shape[1]])  # structured outputs
-            penalized = penalize(allowed, sampling, counts_after_drafts(counts, drafts), seen)
+            p = target_probs(logits, sampling, counts_after_drafts(counts, drafts), seen)
             q = self._draft_q(draft_probs, drafts, sampling)
-            tokens, accepted = rejection_verify(filtered_probs(penalized, sampling), q, drafts, sampling.seed,
-                                                positions)  # fmt: skip
+            tokens, accepted = rejection_verify(p, q, drafts, sampling.seed, positions)
         return self.finish(tokens, accepted, logits, positions, sampling, counts, seen, emitting,
                            any_sampling, draft_inputs, history)  # fmt: skip
 

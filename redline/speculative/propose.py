@@ -51,14 +51,14 @@ def propose(
     counting the ones before it, so its proposals follow the distribution verification will use."""
     cache, tables, kv_len = inputs.cache, inputs.tables, inputs.kv_len
     if penalties is not None:
-        counts, seen = on_draft_vocabulary(draft, penalties)
+        counts, seen, bias = on_draft_vocabulary(draft, penalties, sampling.bias)
     h, position = draft_root(draft, inputs, next_tokens, row)
     tokens, probs = [], []
     for step in range(k):
         if any_sampling:
             logits = draft.logits(h)  # [B, 1, V_draft]
             if penalties is not None:
-                logits = penalize(logits, sampling, counts[:, None], seen)
+                logits = penalize(logits + bias[:, None], sampling, counts[:, None], seen)
             q = filtered_probs(logits, sampling)
             choice = sample_from(q, sampling.seed, position + 2, DRAFT_STREAM)
             probs.append(q)
@@ -99,12 +99,13 @@ def draft_root(
 
 
 def on_draft_vocabulary(
-    draft: Eagle3Draft, penalties: tuple[torch.Tensor, torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Target counts [B, V] and seen [B, V] -> [B, V_draft] each: draft id d is target id to_target(d)."""
-    ids = draft.to_target(torch.arange(draft.config.draft_vocab_size, device=penalties[0].device))
-    counts, seen = (t[:, ids] for t in penalties)
-    return counts, seen
+    draft: Eagle3Draft, penalties: tuple[torch.Tensor, torch.Tensor], bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Target counts [B, V], seen [B, V] and the bias rows [B, V] (token_controls.py) -> [B, V_draft] each:
+    draft id d is target id to_target(d)."""
+    ids = draft.to_target(torch.arange(draft.config.draft_vocab_size, device=bias.device))
+    counts, seen, bias = (t[:, ids] for t in (*penalties, bias))
+    return counts, seen, bias
 
 
 def propose_tree(
@@ -121,8 +122,8 @@ def propose_tree(
     h, position = draft_root(draft, inputs, next_tokens, row)
     logits_of = draft.logits
     if penalties is not None:
-        counts, seen = on_draft_vocabulary(draft, penalties)
-        logits_of = lambda x: penalize(draft.logits(x), sampling, counts[:, None], seen)
+        counts, seen, bias = on_draft_vocabulary(draft, penalties, sampling.bias)
+        logits_of = lambda x: penalize(draft.logits(x) + bias[:, None], sampling, counts[:, None], seen)
     tokens, parents, _ = expand(
         draft, h, position, inputs.cache, inputs.tables, inputs.kv_len, shape, logits_of
     )

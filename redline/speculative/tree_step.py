@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from redline.penalties import penalize
-from redline.sampling import filtered_probs
+from redline.speculative.emit import target_probs
 from redline.speculative.propose import DraftInputs
 from redline.speculative.step import DecodeStep
 from redline.speculative.tree import keep_path, tree_mask, truncate_at_chunk
 from redline.speculative.tree_verify import greedy_tree_verify, sampled_tree_verify
-from redline.structured.bitmask import allowed_logits
 
 
 def counts_along_tree(
@@ -63,9 +61,7 @@ class TreeDecodeStep(DecodeStep):
             path, accepted, tokens = greedy_tree_verify(choice, pending, verified, shape.steps)
         else:
             logits = self.target.logits(hidden)  # [B, N, V]
-            allowed = allowed_logits(logits, sampling.allowed[:, : logits.shape[1]])  # structured outputs
-            penalized = penalize(allowed, sampling, counts_along_tree(counts, pending, mask.bits), seen)
-            p = filtered_probs(penalized, sampling)
+            p = target_probs(logits, sampling, counts_along_tree(counts, pending, mask.bits), seen)
             most = shape.topk + (self.emit.lookup is not None)  # children of a node: an n-gram chain's too
             path, accepted, tokens = sampled_tree_verify(p, pending, verified, shape.steps, most,
                                                          sampling.seed, positions)  # fmt: skip

@@ -78,7 +78,7 @@ class RequestGrammar:
                 if parents[row] in refused:
                     refused.add(row)
                     continue
-                path = self._walk_to(path, _path(parents[row], parents), pending)
+                path = self._walk_to(path, path_to(parents[row], parents), pending)
                 if self.matcher.is_terminated() or not self.matcher.accept_token(pending[row]):
                     refused.add(row)
                     continue
@@ -102,7 +102,7 @@ class RequestGrammar:
         return list(target)
 
 
-def _path(row: int, parents: list[int]) -> list[int]:
+def path_to(row: int, parents: list[int]) -> list[int]:
     """A tree's rows from the root's first child to `row` (the root itself is committed): parents
     [0, 0, 0, 1, 3] -> row 4: [1, 3, 4], row 0: []."""
     path = []
