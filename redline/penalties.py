@@ -54,3 +54,14 @@ def count_emitted(counts: torch.Tensor, emitted: torch.Tensor, new: torch.Tensor
     """Adds the new tokens to the counts, in place: counts [B, V] int32, emitted [B, T], new [B, T] bool
     (the tokens a step really emitted: emitted [5, 9, 9], new [T, T, F] adds 5 and 9 once each)."""
     counts.scatter_add_(1, emitted, new.to(counts.dtype))
+
+
+def with_bias(
+    logits: torch.Tensor,  # [B, T, V] fp32 (a grammar's or bad words' mask applied)
+    bias: torch.Tensor,  # [B, 1, V] the slots' bias rows (structured/token_controls.py)
+) -> torch.Tensor:  # [B, T, V]
+    """logits + bias, but a row the bias leaves without a finite logit (allowed_token_ids none of which
+    a grammar allows there) keeps its logits: the mask wins, so a grammar is never broken and a row
+    never samples from nothing (a NaN)."""
+    shaped = logits + bias
+    return torch.where(shaped.amax(dim=-1, keepdim=True) == float("-inf"), logits, shaped)

@@ -39,7 +39,7 @@ class SamplingParams:
     structured: StructuredOutputs | None = None  # the output must match it (structured_spec.py)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (-100 bans, 100 forces)
     allowed_token_ids: list[int] | None = None  # only these tokens may be generated (vLLM's)
-    bad_words: list[str] | None = None  # words never generated, as vLLM bans them (structured/bad_words.py)
+    bad_words: list[str] | None = None  # never generated, as vLLM bans them (structured/token_controls.py)
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -104,8 +104,7 @@ class SamplingParams:
     @property
     def constrained(self) -> bool:
         """A grammar, a logit bias, allowed token ids or bad words."""
-        controls = (self.logit_bias, self.allowed_token_ids, self.bad_words)
-        return self.structured is not None or any(c is not None for c in controls)
+        return self.structured is not None or any((self.logit_bias, self.allowed_token_ids, self.bad_words))
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:

@@ -172,9 +172,12 @@ class Tokenizer:
         except jinja2.TemplateError as error:
             raise TokenizerError(f"chat template error: {error}") from error
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the rendered chat; the template writes bos itself, so no special tokens are added."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), False)
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
+        """Token ids of the rendered chat (tools: OpenAI's tool objects, for templates that render them);
+        the template writes bos itself, so no special tokens are added."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools=tools), False)
 
 
 class IncrementalDetokenizer:

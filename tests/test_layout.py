@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parent.parent / "redline"
 # Lowest first: a part may import only the parts before it (and itself).
 LAYERS = [
     "config", "dtypes", "draft_tree", "engine_config", "engine_flags", "structured_spec", "sampling",
-    "logprobs", "penalties", "failures", "tokenizer", "structured", "data", "kernels", "parallel", "quant",
-    "layers", "models", "speculative",
+    "logprobs", "penalties", "failures", "tokenizer", "structured", "tool_calls", "data", "kernels",
+    "parallel", "quant", "layers", "models", "speculative",
     "runner", "engine", "train", "evaluate", "benchmark", "server", "demo", "cli", "__init__", "__main__",
 ]  # fmt: skip
 

@@ -70,6 +70,8 @@ def test_specs_that_do_not_compile_name_the_problem_and_grammars_are_cached(comp
     assert compiler.compile(StructuredOutputs(regex=PHONE)) is compiler.compile(
         StructuredOutputs(regex=PHONE)
     )
+    with pytest.raises(StructuredError, match="regex is 100,001 characters: at most 100,000"):
+        compiler.compile(StructuredOutputs(regex="a" * 100_001))
 
 
 def allowed_ids(mask: torch.Tensor, vocab: int) -> set[int]:  # [W] int32 -> the token ids it allows

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from redline import LLM, SamplingParams
+from redline.penalties import with_bias
 from redline.sampling import MAX_LOGIT_BIAS
 from redline.structured.matcher import words
 from redline.structured.rules import TokenRules
@@ -41,6 +42,16 @@ def test_bias_rows_and_bits():
         clear_bit(out, 1, token)
     assert allowed_ids(out[1], 70) == set(range(70)) - {0, 31, 63, 69}
     assert allowed_ids(out[0], 70) == set(range(70))
+
+
+def test_a_bias_that_leaves_a_row_nothing_gives_way_to_its_mask():
+    """allowed_token_ids {2, 3} where a grammar allows only {0, 1}: that row keeps its masked logits (the
+    grammar wins, nothing becomes NaN); the other row takes its bias."""
+    inf = float("-inf")
+    masked = torch.tensor([[[1.0, 2.0, inf, inf], [1.0, 2.0, 3.0, 4.0]]])  # [B 1, T 2, V 4]
+    bias = torch.tensor([[[inf, inf, 0.0, 0.5]]])  # [B, 1, V]
+    out = with_bias(masked, bias)
+    assert out[0, 0].tolist() == [1.0, 2.0, inf, inf] and out[0, 1].tolist() == [inf, inf, 3.0, 4.5]
 
 
 def test_bad_words_tokenize_at_the_start_and_after_a_space(tokenizer_dir):
@@ -100,18 +111,23 @@ def reference_greedy(llm: LLM, prompt: list[int], steps: int, bias: torch.Tensor
 
 
 def controls(llm: LLM, plain_tokens: list[int]) -> list[SamplingParams]:
-    """logit_bias pushing a token the plain output never takes; allowed_token_ids of 40 random tokens; bad
+    """logit_bias pushing a token the plain output never takes; allowed_token_ids of 40 random tokens
+    without the plain output's first (so the output changes); bad
     words: a two-token piece of the plain output (tokenized back to the same two) and one token of it."""
     vocab = llm.model.config.vocab_size
-    absent = next(t for t in torch.randperm(vocab).tolist() if t not in plain_tokens)
+    draft = llm.draft  # the biased token must be one the draft can propose (its vocabulary is smaller)
+    proposable = set(range(vocab)) if draft is None else set(
+        draft.to_target(torch.arange(draft.config.draft_vocab_size)).tolist())  # fmt: skip
+    absent = next(t for t in torch.randperm(vocab).tolist() if t not in plain_tokens and t in proposable)
     pieces = [plain_tokens[i : i + 2] for i in range(len(plain_tokens) - 1)]
     text = lambda ids: llm.tokenizer.decode(ids)
     pair = next(p for p in pieces if llm.tokenizer.encode(text(p).lstrip(), add_special_tokens=False) == p)
     single = next(t for t in plain_tokens if text([t]).strip())
     kw = dict(max_tokens=24, ignore_eos=True)
+    others = [t for t in torch.randperm(vocab).tolist() if t != plain_tokens[0]]
     return [
         SamplingParams(logit_bias={absent: 8.0, plain_tokens[0]: -3.0}, **kw),
-        SamplingParams(allowed_token_ids=torch.randperm(vocab)[:40].tolist(), **kw),
+        SamplingParams(allowed_token_ids=others[:40], **kw),
         SamplingParams(bad_words=[text(pair), text([single])], **kw),
     ]
 

@@ -11,6 +11,7 @@ engine loop drive.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -39,6 +40,8 @@ from redline.structured.matcher import RequestGrammar
 from redline.structured.rules import TokenRules
 from redline.structured.token_controls import BadWords, TokenBias, bad_word_ids, token_bias
 from redline.tokenizer import Tokenizer
+from redline.tool_calls.formats import FORMATS, format_for
+from redline.tool_calls.tool_use import ToolUse, template_messages
 
 Prompt = str | Sequence[int]
 
@@ -192,9 +195,42 @@ class LLM:
         self.engine.add(request)
         return Stream(self.engine, request)
 
-    def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None) -> Completion:
-        """Applies the model's chat template and completes the conversation."""
-        return self.generate([self.tokenizer.encode_chat(messages)], params)[0]
+    def chat(
+        self,
+        messages: list[dict[str, Any]],
+        params: SamplingParams | None = None,
+        tools: Sequence[dict] | None = None,
+        tool_choice: str = "auto",
+        parallel_tool_calls: bool = True,
+        tool_call_parser: str | None = None,
+    ) -> Completion:
+        """Applies the model's chat template and completes the conversation. With tools (OpenAI's function
+        objects, or {"type": "function", "function": ...}) the template renders them, tool_choice is
+        "auto", "required" or a tool's name (tool_calls/tool_use.py), and an output that is calls comes
+        back in `tool_calls` (finish_reason "tool_calls", text ""). tool_call_parser: "llama3_json" or
+        "pythonic" (None: the model family's, tool_calls/formats.py)."""
+        params = params or SamplingParams()
+        if not tools or tool_choice == "none":
+            return self.generate([self.tokenizer.encode_chat(template_messages(messages))], params)[0]
+        functions = tuple(tool.get("function", tool) for tool in tools)
+        writes = (
+            format_for(self.model_config.family) if tool_call_parser is None else FORMATS[tool_call_parser]
+        )
+        use = ToolUse(functions, tool_choice, parallel_tool_calls, writes)
+        if use.constraint() is not None:
+            if params.structured is not None:
+                raise ValueError(f"tool_choice {tool_choice!r} holds the output to a call: drop `structured`")
+            params = dataclasses.replace(params, structured=use.constraint())
+        ids = self.tokenizer.encode_chat(template_messages(messages), tools=use.template_tools)
+        completion = self.generate([ids], params)[0]
+        content, calls = use.read(completion.text) if completion.finish_reason == "stop" else (None, [])
+        if calls:
+            completion.text, completion.tool_calls, completion.finish_reason = (
+                content or "",
+                calls,
+                "tool_calls",
+            )
+        return completion
 
     def log_probs(self, tokens: list[int]) -> torch.Tensor:  # [T - 1, V] fp32, on the CPU
         """Log-probabilities of every next token after each prefix of `tokens`, by a whole forward without

@@ -12,13 +12,14 @@ from redline.sampling import SamplingParams
 from redline.structured.rules import TokenRules
 from redline.structured.token_controls import TokenBias
 from redline.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from redline.tool_calls.formats import ToolCall
 
 
 @dataclass
 class Completion:
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" (eos or a stop string), "length", "cancelled", or "error"
+    finish_reason: str  # "stop" (eos or a stop string), "length", "cancelled", "error"; "tool_calls" (chat)
     prompt_tokens: int
     ttft_s: float  # arrival to first token
     latency_s: float  # arrival to last token
@@ -32,6 +33,7 @@ class Completion:
     error: str | None = None  # why the engine failed this request (finish_reason "error")
     logprobs: list[TokenLogprob] | None = None  # per generated token (SamplingParams.logprobs)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token, None for the first
+    tool_calls: list[ToolCall] | None = None  # LLM.chat with tools: the calls the output made
 
     @property
     def completion_tokens(self) -> int:

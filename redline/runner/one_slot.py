@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from redline.runner.model_runner import ModelRunner
 from redline.runner.plan import PrefillBatch, PrefillChunk, SlotSampling, SlotSetup, StepPlan, TableUpdate
 from redline.sampling import SamplingParams
+from redline.structured.token_controls import token_bias
 
 
 def fill_slot(
@@ -37,7 +38,7 @@ def fill_slot(
     chunk = PrefillChunk(slot, tuple(prompt), 0, final=True, logprobs=params.logprobs)
     result = runner.execute(StepPlan(
         tables=(TableUpdate(slot, 0, blocks),),
-        admitted=(SlotSetup(slot, SlotSampling.of(params, seed), *known_tokens),),
+        admitted=(SlotSetup(slot, SlotSampling.of(params, seed), *known_tokens, token_bias(params, set())),),
         prefill=PrefillBatch((chunk,), logits=params.needs_logits),
     ))  # fmt: skip
     token = result.prefill[0].first

@@ -29,6 +29,8 @@ from redline.server.responses import Choice, Responder, error_event, sse
 from redline.server.schema import openapi_schema
 from redline.structured.grammar import StructuredError
 from redline.tokenizer import TokenizerError
+from redline.tool_calls.formats import FORMATS, format_for
+from redline.tool_calls.tool_use import ToolUse, template_messages
 
 MAX_BODY_BYTES = 1 << 20
 DISCONNECT_POLL_S = 1.0
@@ -40,8 +42,12 @@ EventQueue = asyncio.Queue[tuple[Choice, Event]]  # a request's events, each wit
 class Server:
     """The app's state: the engine loop, the served model's name, limits, metrics."""
 
-    def __init__(self, llm: LLM, model_name: str, api_key: str | None = None, max_queue: int = 64):
+    def __init__(self, llm: LLM, model_name: str, api_key: str | None = None, max_queue: int = 64,
+                 tool_format: str | None = None):  # fmt: skip
+        """tool_format: how the model writes tool calls ("llama3_json", "pythonic"; None: its family's)."""
         self.llm, self.model_name, self.api_key = llm, model_name, api_key
+        family = format_for(llm.model_config.family)
+        self.tool_format = family if tool_format is None else FORMATS[tool_format]
         self.metrics = Metrics()
         self.engine = EngineLoop(llm, max_queue, on_step=self._gauges)
         self.created = int(time.time())
@@ -81,7 +87,7 @@ class Server:
         prompt too long for the context, is a 400."""
         prompts: list[tuple[list[int], str | None]] = []
         if parsed.messages is not None:
-            prompts.append((self.chat_ids(parsed.messages), None))
+            prompts.append((self.chat_ids(parsed.messages, tools=parsed.tools), None))
         tokenizer = self.llm.tokenizer
         for prompt in parsed.prompts or []:
             ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -100,15 +106,24 @@ class Server:
                 except StructuredError as e:  # a schema, regex or grammar that does not compile
                     raise APIError(400, f"{parsed.structured_field}: {e}", parsed.structured_field) from e
                 except ValueError as e:
-                    param = "max_tokens" if "context window" in str(e) else "prompt"
+                    controls = [
+                        f for f in ("logit_bias", "allowed_token_ids", "bad_words") if str(e).startswith(f)
+                    ]
+                    param = "max_tokens" if "context window" in str(e) else (controls or ["prompt"])[0]
                     raise APIError(400, str(e), param) from e
-                choices.append(Choice(i * parsed.n + j, request, echo))
+                choices.append(Choice(i * parsed.n + j, request, echo, tools=parsed.tools))
         return choices
 
-    def chat_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """The rendered chat's token ids; a chat template that raises is the messages' 400."""
+    def chat_ids(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: ToolUse | None = None
+    ) -> list[int]:
+        """The rendered chat's token ids (with the tools, as the template renders them); a chat template
+        that raises is the messages' 400."""
         try:
-            return self.llm.tokenizer.encode_chat(messages, add_generation_prompt)
+            template_tools = None if tools is None else tools.template_tools
+            return self.llm.tokenizer.encode_chat(
+                template_messages(messages), add_generation_prompt, template_tools
+            )
         except TokenizerError as e:  # jinja2 errors, raise_exception(...) in the template
             raise APIError(400, f"messages: {e}", "messages") from e
         except Exception as e:  # templates are code: they may fail in plain Python on odd messages
@@ -169,13 +184,20 @@ async def sse_events(
             logprobs = None if entries is None else responder.logprobs(choice, prompt, entries)
             yield responder.chunk(choice, choice.echo, logprobs)
         choice.started = True
-        if event.text or event.logprobs:
+        text = event.text if choice.tool_stream is None else choice.tool_stream.feed(event.text)
+        if text or event.logprobs:
             tokens = [e.token for e in event.logprobs]
             logprobs = responder.logprobs(choice, tokens, list(event.logprobs)) if event.logprobs else None
-            yield responder.chunk(choice, event.text, logprobs)
+            yield responder.chunk(choice, text, logprobs)
         if event.completion is not None:
             completions[choice.index] = event.completion
-            yield responder.chunk(choice, None, finish_reason=event.completion.finish_reason)
+            reason = event.completion.finish_reason
+            if choice.tool_stream is not None:  # the text held back: content, or the calls
+                held, calls = choice.tool_stream.finish(complete=reason == "stop")
+                if held or calls:
+                    yield responder.chunk(choice, held or None, calls=calls)
+                reason = "tool_calls" if calls else reason
+            yield responder.chunk(choice, None, finish_reason=reason)
     if include_usage:
         yield responder.usage_chunk(choices, [completions[c.index] for c in choices])
 
@@ -285,7 +307,8 @@ async def _generate(http: Request, chat: bool) -> Response:
     llm, name = server.llm, server.model_name
     try:
         data = await server.read_json(http)
-        parsed = protocol.parse_request(data, chat, name, llm.max_seq_len, llm.model_config.vocab_size)
+        parsed = protocol.parse_request(data, chat, name, llm.max_seq_len, llm.model_config.vocab_size,
+                                        server.tool_format)  # fmt: skip
         choices = await asyncio.to_thread(server.choices, parsed)
         events = server.submit(choices)
         responder = Responder(chat, name, llm.tokenizer)

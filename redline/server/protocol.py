@@ -6,7 +6,7 @@ becomes an OpenAI-shaped 400 naming its field ("messages[0].role"). Unknown fiel
 send many: user, metadata, store, ...). What a field's type cannot say is checked after parsing, against
 the served model: its id (404), context window and vocabulary, and the rules between fields (best_of = n,
 top_logprobs with logprobs, max_tokens 0 only with echo). Fields whose non-default values would change
-the output and that redline cannot honour yet (suffix, tools, ...) get a 400. Structured
+the output and that redline cannot honour yet (suffix, functions, ...) get a 400. Structured
 output's fields live in server/structured_fields.py.
 """
 
@@ -18,7 +18,16 @@ import operator
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    model_validator,
+)
 
 from redline.sampling import (
     MAX_LOGIT_BIAS,
@@ -30,14 +39,17 @@ from redline.sampling import (
 )
 from redline.server.errors import APIError, invalid
 from redline.server.structured_fields import StructuredFields
+from redline.server.tool_fields import ToolFields, tool_constraint
 from redline.structured_spec import StructuredOutputs
+from redline.tool_calls.formats import FORMATS, ToolFormat
+from redline.tool_calls.tool_use import ToolUse
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range: [0, 2]
 MAX_STOP_STRINGS = 16  # lm-eval sends a task's stop sequences and the eos string: humaneval's are 6
 MAX_N = 16  # samples per prompt
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 MAX_BAD_WORDS = 128  # each is checked against every row's context on the host
-REFUSED = ("tools", "functions", "suffix", "prompt_logprobs")
+REFUSED = ("functions", "suffix", "prompt_logprobs")
 
 
 def _whole(value: Any) -> Any:
@@ -99,14 +111,40 @@ class TextPart(Body):
     text: str
 
 
+class FunctionCall(Body):
+    name: NonEmpty
+    arguments: str = Field(description="a JSON object's text")
+
+
+class ToolCallIn(Body):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class Message(Body):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: _one_of("a string or a list of text parts", a_string=str, a_list=list[TextPart])
+    content: _one_of("a string or a list of text parts", a_string=str, a_list=list[TextPart]) | None = None
+    tool_calls: list[ToolCallIn] | None = Field(None, description="an assistant's calls")
+    tool_call_id: str | None = Field(None, description="a tool message's: the call it answers")
 
-    def text(self) -> dict[str, str]:
-        """{"role", "content"} with text parts joined."""
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": self.role, "content": content}
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> Message:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (but for an assistant message with tool_calls)")
+        return self
+
+    def text(self) -> dict[str, Any]:
+        """{"role", "content"} with text parts joined, and the tool calls or the call answered."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(p.text for p in content)
+        message: dict[str, Any] = {"role": self.role, "content": content}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class Sampling(StructuredFields, Body):
@@ -133,7 +171,6 @@ class Sampling(StructuredFields, Body):
     bad_words: Annotated[list[NonEmpty], Field(max_length=MAX_BAD_WORDS)] | None = Field(
         None, description="vLLM's: words never generated"
     )
-    tool_choice: Literal["none"] | None = None
     user: str | None = None
 
     def params(
@@ -174,7 +211,7 @@ class CompletionRequest(Sampling):
     best_of: Annotated[Int, Field(ge=1, le=MAX_N)] | None = Field(None, description="null or equal to n")
 
 
-class ChatCompletionRequest(Sampling):
+class ChatCompletionRequest(ToolFields, Sampling):
     """POST /v1/chat/completions."""
 
     model_config = ConfigDict(json_schema_extra={"dependentSchemas": {"top_logprobs": {
@@ -266,20 +303,29 @@ class Parsed:
     n: int = 1  # samples of each prompt, as choices prompt_index * n + sample_index
     echo: bool = False  # completions: the prompt's text (and logprobs) before the completion
     structured_field: str | None = None  # the field that asked for structured output (its errors' param)
+    tools: ToolUse | None = None  # chat with tools: rendered by the template, calls read from the output
 
 
 def _refuse_unsupported(data: dict, chat: bool) -> None:
-    """A 400 for fields that would change the output and that redline cannot honour yet."""
-    for key in (*REFUSED, *(("echo",) if chat else ())):  # OpenAI's chat API has no echo
-        if data.get(key) not in (None, False, 0, [], {}, ""):
+    """A 400 for fields that would change the output and that redline cannot honour yet (tools: on chat
+    only; echo: on completions only, as OpenAI's)."""
+    refused = (*REFUSED, *(("echo",) if chat else ("tools", "tool_choice")))
+    for key in refused:
+        unset = (None, False, 0, [], {}, "", *(("none",) if key == "tool_choice" else ()))
+        if data.get(key) not in unset:
             raise invalid(key, "is not supported")
     if data.get("length_penalty") not in (None, 1):
         raise invalid("length_penalty", "is not supported (use 1)")
-    if data.get("tool_choice") not in (None, "none"):
-        raise invalid("tool_choice", 'is not supported (only "none")')
 
 
-def parse_request(data: Any, chat: bool, served_model: str, context: int, vocab_size: int) -> Parsed:
+def parse_request(
+    data: Any,
+    chat: bool,
+    served_model: str,
+    context: int,
+    vocab_size: int,
+    tool_format: ToolFormat = FORMATS["llama3_json"],
+) -> Parsed:
     if isinstance(data, dict) and isinstance(data.get("model"), str):
         check_model(data["model"], served_model)  # a 404 before anything else, as OpenAI answers
         _refuse_unsupported(data, chat)
@@ -310,11 +356,18 @@ def parse_request(data: Any, chat: bool, served_model: str, context: int, vocab_
         raise invalid(key, f"must be at most the context window ({context}), got {max_tokens}")
     default = context if chat else 16  # OpenAI: chat runs to the context limit, completions default to 16
     structured, structured_field = body.structured()
+    tools = body.tool_use(tool_format) if isinstance(body, ChatCompletionRequest) else None
+    if (calls := tool_constraint(tools)) is not None:
+        if structured is not None:
+            raise invalid(
+                "tool_choice", f"holds the output to a tool call: {structured_field} cannot apply too"
+            )
+        structured, structured_field = calls, "tools"
     params = body.params(default if max_tokens is None else max_tokens, logprobs, echo, structured)
     messages = [m.text() for m in body.messages] if isinstance(body, ChatCompletionRequest) else None
     include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
     return Parsed(prompts, messages, params, stream, include_usage, max_tokens is not None, body.n or 1, echo,
-                  structured_field)  # fmt: skip
+                  structured_field, tools)  # fmt: skip
 
 
 def parse_tokenize(data: Any, served_model: str) -> TokenizePrompt | TokenizeChat:

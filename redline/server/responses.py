@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from redline.engine.request import Completion
@@ -20,6 +21,8 @@ from redline.engine.request import Request as EngineRequest
 from redline.logprobs import TokenLogprob
 from redline.server.errors import APIError
 from redline.tokenizer import Tokenizer
+from redline.tool_calls.formats import ToolCall
+from redline.tool_calls.tool_use import ToolStream, ToolUse
 
 
 @dataclass
@@ -31,6 +34,12 @@ class Choice:
     echo: str | None = None  # completions with echo: the prompt's text, before the completion's
     offset: int = 0  # streamed text so far (text_offset of the next token)
     started: bool = field(default=False, repr=False)  # a chunk of it was sent
+    tools: ToolUse | None = None  # chat with tools: its output is read as content or calls
+    tool_stream: ToolStream | None = field(default=None, repr=False)  # streamed: the text held back
+
+    def __post_init__(self) -> None:
+        if self.tools is not None:
+            self.tool_stream = ToolStream(self.tools)
 
 
 def usage(completions: list[Completion], choices: list[Choice]) -> dict:
@@ -91,19 +100,29 @@ class Responder:
                 if choice.echo is not None and c.prompt_logprobs is not None:
                     tokens, entries = choice.request.prompt_ids + tokens, c.prompt_logprobs + entries
                 logprobs = self.logprobs(choice, tokens, entries)
+            reason = c.finish_reason
             if self.chat:
-                message = {"role": "assistant", "content": c.text}
+                read = choice.tools is not None and c.finish_reason == "stop"  # not cut short, nor failed
+                content, calls = choice.tools.read(c.text) if read else (c.text, [])
+                message: dict = {"role": "assistant", "content": content}
+                if calls:
+                    message["tool_calls"], reason = [call.openai() for call in calls], "tool_calls"
                 body = {"index": choice.index, "message": message, "logprobs": logprobs}
             else:
                 body = {"index": choice.index, "text": (choice.echo or "") + c.text, "logprobs": logprobs}
-            bodies.append(body | {"finish_reason": c.finish_reason})
+            bodies.append(body | {"finish_reason": reason})
         obj = "chat.completion" if self.chat else "text_completion"
         return self._envelope(obj, bodies) | {"usage": usage(completions, choices)}
 
     def chunk(self, choice: Choice, text: str | None, logprobs: dict | None = None,
-              finish_reason: str | None = None, role: bool = False) -> str:  # fmt: skip
+              finish_reason: str | None = None, role: bool = False,
+              calls: Sequence[ToolCall] = ()) -> str:  # fmt: skip
+        """One choice's chunk; chat's may carry tool calls, each whole in its delta (OpenAI's shape, so
+        clients that join arguments piece by piece join one piece)."""
         if self.chat:
             delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
+            if calls:
+                delta["tool_calls"] = [{"index": i} | call.openai() for i, call in enumerate(calls)]
             content: dict = {"delta": delta}
         else:
             content = {"text": text or ""}

@@ -1,7 +1,7 @@
 """The OpenAPI 3.1 description of `redline serve`'s HTTP API, for clients, docs and the schema fuzzer:
 the request models are the ones that parse the requests (server/protocol.py), the responses' models are
-here. The fields redline cannot honour (suffix, logit_bias, tools, functions, prompt_logprobs,
-length_penalty) are left out: they get a 400.
+here. The fields redline cannot honour (suffix, functions, prompt_logprobs, length_penalty) are left
+out: they get a 400.
 """
 
 from __future__ import annotations
@@ -88,9 +88,25 @@ class ChatLogprobs(Reply):
     content: list[TokenLogprob] | None
 
 
+class CalledFunction(Reply):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ToolCall(Reply):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class ToolCallDelta(ToolCall):
+    index: int
+
+
 class ChatMessage(Reply):
     role: Literal["assistant"]
     content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(Reply):
@@ -109,6 +125,7 @@ class ChatCompletion(Envelope):
 class Delta(Reply):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(Reply):

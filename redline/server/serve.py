@@ -68,7 +68,7 @@ def serve(args: argparse.Namespace) -> int:
         log.info("warm-up: every prefill and step shape compiled in %.1f s", llm.warmup_s)
     name = args.served_model_name or served_name(model)
     api_key = args.api_key or os.environ.get("REDLINE_API_KEY")
-    server = Server(llm, name, api_key, max_queue=args.max_queue)
+    server = Server(llm, name, api_key, max_queue=args.max_queue, tool_format=args.tool_call_parser)
     log.info(
         "serving %s as %r on http://%s:%d (%s: %d slots, speculation %s, context %d tokens)",
         model, name, args.host, args.port, scheduler.mode, scheduler.slots,
@@ -114,6 +114,9 @@ def add_parser(sub) -> None:
         "--no-speculation", action="store_true", help="ignore the draft or n-gram lookup (an A/B switch)"
     )
     http.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
+    parsers = ["llama3_json", "pythonic"]
+    help = "how the model writes tool calls (default: Llama 4's pythonic, Llama 3's JSON)"
+    http.add_argument("--tool-call-parser", choices=parsers, default=None, help=help)
     http.add_argument("--host", default="127.0.0.1")
     http.add_argument("--port", type=int, default=8000)
     http.add_argument("--api-key", help="require Authorization: Bearer KEY (or REDLINE_API_KEY)")

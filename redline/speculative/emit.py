@@ -30,7 +30,7 @@ from redline import logprobs
 from redline.draft_tree import TreeShape
 from redline.models.eagle3 import Eagle3Draft
 from redline.models.llama import LlamaForCausalLM
-from redline.penalties import count_emitted, counts_after_drafts, penalize
+from redline.penalties import count_emitted, counts_after_drafts, penalize, with_bias
 from redline.sampling import SamplingTensors, filtered_probs
 from redline.speculative import ngram
 from redline.speculative.ngram import NgramRange
@@ -49,7 +49,7 @@ def target_probs(
     """What each row's token is drawn from (a greedy row: the one-hot on its argmax): its mask (a grammar,
     bad words), its slot's bias row (logit_bias, allowed_token_ids), the penalties, then temperature and
     the filters."""
-    shaped = allowed_logits(logits, sampling.allowed[:, : logits.shape[1]]) + sampling.bias[:, None]
+    shaped = with_bias(allowed_logits(logits, sampling.allowed[:, : logits.shape[1]]), sampling.bias[:, None])
     return filtered_probs(penalize(shaped, sampling, counts, seen), sampling)
 
 

@@ -10,7 +10,7 @@ import torch
 from redline.draft_tree import TreeShape
 from redline.models.eagle3 import Eagle3Draft
 from redline.models.llama import KVLayer
-from redline.penalties import penalize
+from redline.penalties import penalize, with_bias
 from redline.sampling import SamplingTensors, filtered_probs, sample_from
 from redline.speculative.deferred_keys import DeferredKeys
 from redline.speculative.tree import expand
@@ -58,7 +58,7 @@ def propose(
         if any_sampling:
             logits = draft.logits(h)  # [B, 1, V_draft]
             if penalties is not None:
-                logits = penalize(logits + bias[:, None], sampling, counts[:, None], seen)
+                logits = penalize(with_bias(logits, bias[:, None]), sampling, counts[:, None], seen)
             q = filtered_probs(logits, sampling)
             choice = sample_from(q, sampling.seed, position + 2, DRAFT_STREAM)
             probs.append(q)
@@ -123,7 +123,9 @@ def propose_tree(
     logits_of = draft.logits
     if penalties is not None:
         counts, seen, bias = on_draft_vocabulary(draft, penalties, sampling.bias)
-        logits_of = lambda x: penalize(draft.logits(x) + bias[:, None], sampling, counts[:, None], seen)
+        logits_of = lambda x: penalize(
+            with_bias(draft.logits(x), bias[:, None]), sampling, counts[:, None], seen
+        )
     tokens, parents, _ = expand(
         draft, h, position, inputs.cache, inputs.tables, inputs.kv_len, shape, logits_of
     )

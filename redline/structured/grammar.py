@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     import xgrammar
 
 CACHED = 256  # compiled grammars kept (least recently used dropped)
+MAX_SPEC_CHARS = 100_000  # a schema, regex or grammar's text: compiling is host work on the serving path
 # JSON as json.dumps writes it, '{"a": 1, "b": [2, 3]}': free whitespace lets a model pad forever (small
 # models do), and one layout keeps the grammar's choices to the values
 SEPARATORS = (", ", ": ")
@@ -67,6 +68,10 @@ class GrammarCompiler:
     def compile(self, spec: StructuredOutputs) -> xgrammar.CompiledGrammar:
         """The spec's grammar, compiled once (later asks for the same spec hit the cache)."""
         key = spec.key
+        if len(key[1]) > MAX_SPEC_CHARS:
+            kind = key[0].replace("_strict", "")
+            raise StructuredError(f"the structured output's {kind} is {len(key[1]):,} characters: at most "
+                                  f"{MAX_SPEC_CHARS:,}")  # fmt: skip
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
