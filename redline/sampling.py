@@ -97,14 +97,10 @@ class SamplingParams:
     @property
     def needs_logits(self) -> bool:
         """Whether the step must compute this request's logits (the sampling path): it samples, has
-        penalties, asks for logprobs, follows a grammar or has token controls (masks and biases apply to the
-        logits). Otherwise an argmax suffices."""
-        return not self.greedy or self.penalized or self.logprobs is not None or self.constrained
-
-    @property
-    def constrained(self) -> bool:
-        """A grammar, a logit bias, allowed token ids or bad words."""
-        return self.structured is not None or any((self.logit_bias, self.allowed_token_ids, self.bad_words))
+        penalties, asks for logprobs, or allows only some tokens (allowed_token_ids: where a grammar's mask
+        leaves none of them, the logits path keeps the mask alone, penalties.with_bias). Otherwise an argmax
+        suffices, grammars' masks and logit biases applied to it."""
+        return not self.greedy or self.penalized or self.logprobs is not None or bool(self.allowed_token_ids)
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:

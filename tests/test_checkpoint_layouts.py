@@ -113,7 +113,7 @@ def draft_tokens(target, draft, tokens: torch.Tensor, k: int = 3) -> torch.Tenso
         first_row = torch.zeros_like(row)
         inputs = DraftInputs(aux[:, :-1], tokens[:, 1:], positions[:, :-1], first_row, kv.layers[0],
                              kv.tables(0, 1), 64)  # fmt: skip
-        greedy = SamplingTensors.zeros(1, torch.device("cpu"))
+        greedy = SamplingTensors.zeros(1, torch.device("cpu"), vocab=target.config.vocab_size)
         proposed, _ = propose(draft, inputs, tokens[:, 1:], row, k, greedy, any_sampling=False)
     return proposed
 

@@ -263,3 +263,17 @@ def test_real_smollm2_after_a_2000_token_prompt_writes_the_schema_the_same_with_
     assert got.finish_reason == "stop" and set(json.loads(got.text)) == {"title", "author", "year"}
     assert masked_near_tie(plain, spec, prompt, got.token_ids, want.token_ids)
     assert got.acceptance_length > 1.0
+
+
+def test_greedy_constrained_output_is_the_same_on_the_argmax_and_the_logits_path(models):
+    """A greedy constrained request takes the argmax path, its masks applied to each logits block; with
+    logprobs it takes the logits path: the same tokens (an fp32 near tie aside)."""
+    target, _ = models
+    llm = LLM(target, dtype="float32", max_batch=4, max_seq_len=256)
+    prompt = torch.randint(5, 384, (12,)).tolist()
+    argmax = llm.generate([prompt] * 3, [SamplingParams(max_tokens=120, structured=s) for s in SPECS])
+    logits = llm.generate(
+        [prompt] * 3, [SamplingParams(max_tokens=120, structured=s, logprobs=0) for s in SPECS]
+    )
+    for spec, a, b in zip(SPECS, argmax, logits, strict=True):
+        assert masked_near_tie(llm, spec, prompt, a.token_ids, b.token_ids) and a.finish_reason == "stop"

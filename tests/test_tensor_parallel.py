@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from conftest import build_hf_model, llama3_hf_config, llama4_hf_config, save_hf_model
 from test_checkpoint_layouts import bf16_exact, llama4_fp8_checkpoints, static_fp8  # noqa: F401 (fixture)
 
-from redline import LLM, SamplingParams
+from redline import LLM, SamplingParams, StructuredOutputs
 from redline.cli import main
 from redline.config import ConfigError, ModelConfig
 from redline.engine.request import GenerationError
@@ -296,13 +296,18 @@ def test_a_split_draft_proposes_what_one_process_does(tmp_path, tokenizer_dir, v
     """The draft splits with the target: its layer by heads and width, its lm_head by draft vocabulary
     (101 ids: padded), its own embeddings by vocabulary, or the target's lm_head block shared. Greedy and
     seeded sampled completions with K = 3 equal one process's, and so do the acceptance lengths (the
-    same proposals)."""
+    same proposals). So do a greedy one with a logit bias and one under a grammar (the argmax path shapes
+    each rank's block of the vocabulary, the draft's padded one too)."""
     target = save_hf_model(build_hf_model(llama3_hf_config(), seed=12), tmp_path / "t", tokenizer_dir)
     draft = _draft_variant(target, tmp_path / "d", variant)
-    prompts = [torch.randint(5, 384, (n,)).tolist() for n in (30, 12)]
+    prompts = [torch.randint(5, 384, (n,)).tolist() for n in (30, 12, 20, 16)]
+    bias = {t: 4.0 for t in torch.randint(0, 384, (12,)).tolist()}  # on the argmax path: each rank's block
+    words = StructuredOutputs(regex="[a-z]{3,8}( [a-z]{2,6}){1,3}")
     params = [SamplingParams(max_tokens=20, ignore_eos=True),
-              SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.8, seed=5)]  # fmt: skip
-    kw = dict(dtype="float32", max_batch=2, max_seq_len=96, draft=draft, num_draft_tokens=3, progress=False)
+              SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.8, seed=5),
+              SamplingParams(max_tokens=20, ignore_eos=True, logit_bias=bias),
+              SamplingParams(max_tokens=40, structured=words)]  # fmt: skip
+    kw = dict(dtype="float32", max_batch=4, max_seq_len=96, draft=draft, num_draft_tokens=3, progress=False)
     want = LLM(target, **kw).generate(prompts, params)
     llm = LLM(target, tensor_parallel_size=2, **kw)
     try:

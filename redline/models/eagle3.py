@@ -34,7 +34,13 @@ from redline.models.llama import KVLayer, LlamaForCausalLM
 from redline.models.loader import CheckpointError, checkpoint_files, load_weights, save_weights
 from redline.parallel.group import SINGLE, TensorParallel
 from redline.parallel.sharding import Shard, local_config, shard_of, vocab_shard
-from redline.parallel.vocab import VocabParallelEmbedding, gather_vocab, vocab_block, vocab_parallel_argmax
+from redline.parallel.vocab import (
+    BlockShaping,
+    VocabParallelEmbedding,
+    gather_vocab,
+    vocab_block,
+    vocab_parallel_argmax,
+)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -191,9 +197,12 @@ class Eagle3Draft(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., draft_vocab] fp32
         return gather_vocab(self.lm_head(self.norm(hidden)).float(), self.tp, self.config.draft_vocab_size)
 
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., H] -> [...] draft ids
-        """logits(hidden).argmax(-1), without gathering the logits under tensor parallelism."""
+    def greedy_tokens(self, hidden: torch.Tensor, shape: BlockShaping | None = None) -> torch.Tensor:
+        """logits(hidden).argmax(-1) ([..., H] -> [...] draft ids), without gathering the logits under
+        tensor parallelism; `shape` changes each rank's block first (a bias: speculative/propose.py)."""
         local = self.lm_head(self.norm(hidden)).float()
+        if shape is not None:
+            local = shape(local, self.tp.rank * local.shape[-1])
         return vocab_parallel_argmax(local, self.tp, self.config.draft_vocab_size)
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:

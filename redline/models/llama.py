@@ -23,7 +23,13 @@ from redline.layers.norm import RMSNorm
 from redline.layers.packed import pack_weights
 from redline.layers.rotary import Rotary
 from redline.parallel.group import SINGLE, TensorParallel
-from redline.parallel.vocab import VocabParallelEmbedding, gather_vocab, vocab_block, vocab_parallel_argmax
+from redline.parallel.vocab import (
+    BlockShaping,
+    VocabParallelEmbedding,
+    gather_vocab,
+    vocab_block,
+    vocab_parallel_argmax,
+)
 
 KVLayer = tuple[torch.Tensor, torch.Tensor]
 
@@ -237,6 +243,10 @@ class LlamaForCausalLM(nn.Module):
         """Under tensor parallelism every rank's vocabulary block, gathered (parallel/vocab.py)."""
         return gather_vocab(self.lm_head(hidden).float(), self.tp, self.config.vocab_size)
 
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [...] int64
-        """logits(hidden).argmax(-1), without gathering the logits under tensor parallelism."""
-        return vocab_parallel_argmax(self.lm_head(hidden).float(), self.tp, self.config.vocab_size)
+    def greedy_tokens(self, hidden: torch.Tensor, shape: BlockShaping | None = None) -> torch.Tensor:
+        """logits(hidden).argmax(-1) ([..., hidden] -> [...] int64), without gathering the logits under
+        tensor parallelism; `shape` changes each rank's block first (masks, biases: speculative/emit.py)."""
+        local = self.lm_head(hidden).float()
+        if shape is not None:
+            local = shape(local, self.tp.rank * local.shape[-1])
+        return vocab_parallel_argmax(local, self.tp, self.config.vocab_size)

@@ -11,6 +11,8 @@ per rank.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -42,6 +44,10 @@ def gather_vocab(local: torch.Tensor, tp: TensorParallel, vocab: int) -> torch.T
     if tp.size == 1:
         return local
     return tp.gather_last_dim(local)[..., :vocab]
+
+
+# a rank's logits block [..., N] and the id of its first token -> the block changed (masked, biased)
+BlockShaping = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 def vocab_parallel_argmax(local: torch.Tensor, tp: TensorParallel, vocab: int) -> torch.Tensor:

@@ -30,6 +30,7 @@ from redline import logprobs
 from redline.draft_tree import TreeShape
 from redline.models.eagle3 import Eagle3Draft
 from redline.models.llama import LlamaForCausalLM
+from redline.parallel.vocab import BlockShaping
 from redline.penalties import count_emitted, counts_after_drafts, penalize, with_bias
 from redline.sampling import SamplingTensors, filtered_probs
 from redline.speculative import ngram
@@ -38,6 +39,7 @@ from redline.speculative.propose import DraftInputs, propose, propose_tree
 from redline.speculative.tree import chain_into_tree
 from redline.speculative.verify import greedy_verify, rejection_verify
 from redline.structured.bitmask import allowed_logits
+from redline.structured.token_controls import bias_block
 
 
 def target_probs(
@@ -51,6 +53,19 @@ def target_probs(
     the filters."""
     shaped = with_bias(allowed_logits(logits, sampling.allowed[:, : logits.shape[1]]), sampling.bias[:, None])
     return filtered_probs(penalize(shaped, sampling, counts, seen), sampling)
+
+
+def argmax_shaping(sampling: SamplingTensors, rows: int) -> BlockShaping:
+    """The argmax path's target logits, each rank's block [B, T, N] (T <= rows): its rows' masks (a grammar,
+    bad words) and its slots' bias rows (logit_bias, bad words of one token) applied; all-allowed masks and
+    zero rows leave it as it was. Requests with allowed_token_ids take the logits path, where a row the
+    bias leaves nothing keeps its mask (penalties.with_bias): here the bias is finite or the mask's."""
+
+    def shape(local: torch.Tensor, first: int) -> torch.Tensor:
+        bits = sampling.allowed[:, : local.shape[1]]
+        return allowed_logits(local, bits, first) + bias_block(sampling.bias, first, local.shape[-1])[:, None]
+
+    return shape
 
 
 @dataclass
@@ -95,7 +110,8 @@ class Emitter:
     ) -> Emitted:
         logits = None
         if not any_sampling:  # argmax only: under tensor parallelism, no logits gathered
-            tokens, accepted = greedy_verify(self.target.greedy_tokens(hidden), drafts)
+            choices = self.target.greedy_tokens(hidden, argmax_shaping(sampling, hidden.shape[1]))
+            tokens, accepted = greedy_verify(choices, drafts)
         else:
             assert counts is not None and seen is not None
             logits = self.target.logits(hidden)  # [B, T, V]

@@ -14,6 +14,7 @@ from redline.penalties import penalize, with_bias
 from redline.sampling import SamplingTensors, filtered_probs, sample_from
 from redline.speculative.deferred_keys import DeferredKeys
 from redline.speculative.tree import expand
+from redline.structured.token_controls import bias_block
 
 DRAFT_STREAM = 2  # random stream of draft sampling
 
@@ -50,8 +51,9 @@ def propose(
     With penalties (penalties.py) the draft's logits are penalized as the target's are, each proposal
     counting the ones before it, so its proposals follow the distribution verification will use."""
     cache, tables, kv_len = inputs.cache, inputs.tables, inputs.kv_len
+    bias = draft_bias(draft, sampling.bias)
     if penalties is not None:
-        counts, seen, bias = on_draft_vocabulary(draft, penalties, sampling.bias)
+        counts, seen = on_draft_vocabulary(draft, penalties)
     h, position = draft_root(draft, inputs, next_tokens, row)
     tokens, probs = [], []
     for step in range(k):
@@ -65,7 +67,8 @@ def propose(
             if penalties is not None:
                 counts = counts.scatter_add(1, choice, torch.ones_like(choice, dtype=counts.dtype))
         else:  # argmax only: under tensor parallelism, no logits gathered
-            choice = draft.greedy_tokens(h)  # [B, 1]
+            biased = lambda local, first: local + bias_block(bias, first, local.shape[-1])[:, None]
+            choice = draft.greedy_tokens(h, biased)  # [B, 1]
         token = draft.to_target(choice)  # [B, 1]
         tokens.append(token)
         if step < k - 1:
@@ -99,13 +102,17 @@ def draft_root(
 
 
 def on_draft_vocabulary(
-    draft: Eagle3Draft, penalties: tuple[torch.Tensor, torch.Tensor], bias: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Target counts [B, V], seen [B, V] and the bias rows [B, V] (token_controls.py) -> [B, V_draft] each:
-    draft id d is target id to_target(d)."""
-    ids = draft.to_target(torch.arange(draft.config.draft_vocab_size, device=bias.device))
-    counts, seen, bias = (t[:, ids] for t in (*penalties, bias))
-    return counts, seen, bias
+    draft: Eagle3Draft, penalties: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target counts [B, V] and seen [B, V] -> [B, V_draft] each: draft id d is target id to_target(d)."""
+    ids = draft.to_target(torch.arange(draft.config.draft_vocab_size, device=penalties[0].device))
+    counts, seen = (t[:, ids] for t in penalties)
+    return counts, seen
+
+
+def draft_bias(draft: Eagle3Draft, bias: torch.Tensor) -> torch.Tensor:
+    """The slots' bias rows [B, V] (structured/token_controls.py) on the draft's vocabulary: [B, V_draft]."""
+    return bias[:, draft.to_target(torch.arange(draft.config.draft_vocab_size, device=bias.device))]
 
 
 def propose_tree(
@@ -120,12 +127,11 @@ def propose_tree(
     """A draft tree (speculative/tree.py) from the row: its nodes are the draft's top tokens, penalized by
     the counts so far (not along each branch: proposals only steer acceptance, never the output)."""
     h, position = draft_root(draft, inputs, next_tokens, row)
-    logits_of = draft.logits
+    bias = draft_bias(draft, sampling.bias)[:, None]  # [B, 1, V_draft]
+    logits_of = lambda x: with_bias(draft.logits(x), bias)
     if penalties is not None:
-        counts, seen, bias = on_draft_vocabulary(draft, penalties, sampling.bias)
-        logits_of = lambda x: penalize(
-            with_bias(draft.logits(x), bias[:, None]), sampling, counts[:, None], seen
-        )
+        counts, seen = on_draft_vocabulary(draft, penalties)
+        logits_of = lambda x: penalize(with_bias(draft.logits(x), bias), sampling, counts[:, None], seen)
     tokens, parents, _ = expand(
         draft, h, position, inputs.cache, inputs.tables, inputs.kv_len, shape, logits_of
     )

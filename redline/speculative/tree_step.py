@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from redline.speculative.emit import target_probs
+from redline.speculative.emit import argmax_shaping, target_probs
 from redline.speculative.propose import DraftInputs
 from redline.speculative.step import DecodeStep
 from redline.speculative.tree import keep_path, tree_mask, truncate_at_chunk
@@ -57,7 +57,7 @@ class TreeDecodeStep(DecodeStep):
         counts, seen = st.counts[:rows], st.seen[:rows]
         logits = None
         if not any_sampling:
-            choice = self.target.greedy_tokens(hidden)  # [B, N]
+            choice = self.target.greedy_tokens(hidden, argmax_shaping(sampling, hidden.shape[1]))  # [B, N]
             path, accepted, tokens = greedy_tree_verify(choice, pending, verified, shape.steps)
         else:
             logits = self.target.logits(hidden)  # [B, N, V]

@@ -43,6 +43,17 @@ class TokenBias:
         return row
 
 
+def bias_block(
+    bias: torch.Tensor,  # [B, V] bias rows
+    first: int,
+    n: int,
+) -> torch.Tensor:  # [B, N]
+    """A tensor-parallel rank's block of the rows, tokens first .. first + N - 1, zeros past the vocabulary
+    (a last block's padding): V 100 over 2 ranks of 51 -> rank 1 gets columns 51 .. 99 and one zero."""
+    block = bias[:, first : first + n]
+    return torch.nn.functional.pad(block, (0, n - block.shape[-1]))
+
+
 def token_bias(params: SamplingParams, banned: set[int]) -> TokenBias | None:
     """The request's bias row (None: no control asks for one). allowed_token_ids [3, 5] with logit_bias
     {5: 2.0, 9: 1.0} and 3 banned: rest -inf, 3 -> -inf, 5 -> 2.0 (9 stays off: it is not allowed)."""
