@@ -44,6 +44,19 @@ def test_the_device_mask_is_xgrammars():
         assert torch.equal(allowed_logits(logits, bits), want.view(3, 2, vocab))
 
 
+def test_a_ranks_block_of_the_mask_is_its_part_of_the_whole():
+    """Tensor parallelism masks each rank's block of the vocabulary (blocks not aligned to words, a last
+    block padded past the vocabulary): its real tokens get what the whole vocabulary's mask gives them."""
+    for vocab, ranks in ((1000, 3), (101, 2), (384, 8), (33, 4)):
+        bits = torch.randint(-(2**31), 2**31, (2, 3, words(vocab)), dtype=torch.int64).to(torch.int32)
+        whole = allowed_logits(torch.zeros(2, 3, vocab), bits)
+        block = -(-vocab // ranks)
+        for rank in range(ranks):
+            first, real = rank * block, min(block, vocab - rank * block)
+            got = allowed_logits(torch.zeros(2, 3, block), bits, first)
+            assert got.shape[-1] == block and torch.equal(got[..., :real], whole[..., first : first + real])
+
+
 def test_a_spec_takes_exactly_one_constraint():
     for bad in (dict(), dict(regex="a", choice=["a"]), dict(choice=[]), dict(regex=""), dict(json=3)):
         with pytest.raises(ValueError, match="structured"):

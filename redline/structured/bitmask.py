@@ -19,10 +19,15 @@ def allowed_logits(
     first: int = 0,  # a tensor-parallel rank's block of the vocabulary starts here
 ) -> torch.Tensor:  # [B, T, N] fp32, -inf where a token's bit is 0
     """The whole vocabulary (first 0, N = V) or one rank's block of it: rank 1 of 2 over 100 tokens holds
-    tokens 50 .. 99 (N = 50), token 50 in word 1, bit 18. A last block's padding rows (ids past the
-    words) read the last word: the argmax leaves them out anyway (parallel/vocab.py)."""
+    tokens 50 .. 99 (N = 50): words 1 .. 3 cover them, token 50 is bit 18 of word 1. Each covering word's
+    32 bits are spread along a new last dimension and flattened (no gather: the cheapest form once
+    compiled); a last block's padding rows (past the words) read as allowed: the argmax leaves them out
+    anyway (parallel/vocab.py)."""
     n, words = logits.shape[-1], bits.shape[-1]
-    ids = torch.arange(first, first + n, dtype=torch.int32, device=logits.device)
-    word = bits.index_select(-1, (ids >> 5).clamp(max=words - 1))  # [B, T, N]: each token's word
-    allowed = (word >> (ids & 31)) & 1  # an arithmetic shift: bit 31 reads as 1 or 0 alike after the & 1
+    low, high = first // 32, min(-(-(first + n) // 32), words)  # the words covering the block
+    bit = torch.arange(32, dtype=torch.int32, device=logits.device)
+    spread = ((bits[..., low:high, None] >> bit) & 1).flatten(-2)  # [B, T, 32 (high - low)], an
+    # arithmetic shift: bit 31 reads as 1 or 0 alike after the & 1
+    allowed = spread[..., first - 32 * low :][..., :n]
+    allowed = torch.nn.functional.pad(allowed, (0, n - allowed.shape[-1]), value=1)
     return logits.masked_fill(allowed == 0, float("-inf"))
