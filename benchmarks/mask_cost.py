@@ -43,7 +43,7 @@ def main() -> None:
     for batch, rows in ((1, 1), (8, 1), (1, 4), (8, 4)):
         sampling = SamplingTensors.zeros(batch, torch.device("cpu"), rows, args.vocab)
         logits = torch.randn(batch, rows, args.vocab)
-        shape = argmax_shaping(sampling, rows)
+        shape = argmax_shaping(sampling)
         plain = best_ms(torch.compile(lambda x: x.argmax(-1)), logits, args.calls, args.rounds)
         shaped = best_ms(
             torch.compile(lambda x, s=shape: s(x, 0).argmax(-1)), logits, args.calls, args.rounds

@@ -21,6 +21,14 @@ MAX_TOP_K = 2**31 - 1  # top_k is an int64 tensor entry; anything past the vocab
 MAX_LOGIT_BIAS = 100.0  # logit_bias values lie in [-100, 100] (OpenAI's range)
 
 
+class ParamError(ValueError):
+    """A request that its parameters cannot serve, naming the parameter (the server's 400 `param`)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 256  # 0: prefill only (the prompt's logprobs)

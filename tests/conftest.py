@@ -158,3 +158,11 @@ def trained(tmp_path_factory) -> Path:
     train_target(root / "target", TINY_TARGET)
     train_draft(root / "target", root / "draft", TINY_DRAFT)
     return root
+
+
+def sharegpt_context(tokenizer, tokens: int) -> str:
+    """ShareGPT conversations' text cut to `tokens` tokens of `tokenizer`: a real-size prompt's body."""
+    from redline.data import sharegpt
+
+    text = " ".join(m["content"] for c in sharegpt.conversations("train")[:40] for m in c.messages)
+    return tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:tokens])

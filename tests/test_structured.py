@@ -9,10 +9,9 @@ import re
 
 import pytest
 import torch
-from conftest import build_hf_model, llama3_hf_config, save_hf_model
+from conftest import build_hf_model, llama3_hf_config, save_hf_model, sharegpt_context
 
 from redline import LLM, SamplingParams
-from redline.data import sharegpt
 from redline.demo import SHIPPED_DRAFT
 from redline.models.gguf import gguf_model_dir, smollm2_gguf
 from redline.runner.plan import StepPlan
@@ -261,8 +260,7 @@ def test_real_smollm2_after_a_2000_token_prompt_writes_the_schema_the_same_with_
     plain = LLM(model_dir, **kw)
     fast = LLM(model_dir, draft=SHIPPED_DRAFT, num_draft_tokens=3, prompt_lookup_max=3,
                adaptive_draft_length=False, **kw)  # fmt: skip
-    text = " ".join(m["content"] for c in sharegpt.conversations("train")[:40] for m in c.messages)
-    context = plain.tokenizer.decode(plain.tokenizer.encode(text, add_special_tokens=False)[:1940])
+    context = sharegpt_context(plain.tokenizer, 1940)
     ask = "\n\nDescribe a book as a JSON object with the fields title, author and year."
     prompt = plain.tokenizer.encode_chat([{"role": "user", "content": context + ask}])
     assert 1950 <= len(prompt) <= 2050

@@ -126,7 +126,8 @@ def test_token_controls_over_http(client, trained):
     assert word not in tokens(banned)
     bad = [({"logit_bias": {"99999": 1}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
            ({"logit_bias": {"five": 1}}, "logit_bias"), ({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
-           ({"bad_words": [""]}, "bad_words")]  # fmt: skip
+           ({"bad_words": [""]}, "bad_words"),
+           ({"allowed_token_ids": [x], "bad_words": ["x"]}, "allowed_token_ids")]  # fmt: skip
     for extra, field in bad:
         with pytest.raises(openai.BadRequestError) as error:
             client.completions.create(model=MODEL, prompt="hi", max_tokens=5, extra_body=extra)

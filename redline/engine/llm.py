@@ -34,13 +34,13 @@ from redline.runner.background_compile import BackgroundCompile
 from redline.runner.build import build_single, context_len, shapes_of
 from redline.runner.model_runner import ModelRunner
 from redline.runner.warm_up import needs_warm_up, warm_up
-from redline.sampling import SamplingParams
+from redline.sampling import ParamError, SamplingParams
 from redline.structured.grammar import GrammarCompiler, StructuredError
 from redline.structured.matcher import RequestGrammar
 from redline.structured.rules import TokenRules
 from redline.structured.token_controls import BadWords, TokenBias, bad_word_ids, token_bias
 from redline.tokenizer import Tokenizer
-from redline.tool_calls.formats import FORMATS, format_for
+from redline.tool_calls.formats import format_for
 from redline.tool_calls.tool_use import ToolUse, template_messages
 
 Prompt = str | Sequence[int]
@@ -213,23 +213,16 @@ class LLM:
         if not tools or tool_choice == "none":
             return self.generate([self.tokenizer.encode_chat(template_messages(messages))], params)[0]
         functions = tuple(tool.get("function", tool) for tool in tools)
-        writes = (
-            format_for(self.model_config.family) if tool_call_parser is None else FORMATS[tool_call_parser]
-        )
+        writes = format_for(self.model_config.family, tool_call_parser)
         use = ToolUse(functions, tool_choice, parallel_tool_calls, writes)
-        if use.constraint() is not None:
+        if (calls := use.constraint()) is not None:
             if params.structured is not None:
                 raise ValueError(f"tool_choice {tool_choice!r} holds the output to a call: drop `structured`")
-            params = dataclasses.replace(params, structured=use.constraint())
+            params = dataclasses.replace(params, structured=calls)
         ids = self.tokenizer.encode_chat(template_messages(messages), tools=use.template_tools)
         completion = self.generate([ids], params)[0]
-        content, calls = use.read(completion.text) if completion.finish_reason == "stop" else (None, [])
-        if calls:
-            completion.text, completion.tool_calls, completion.finish_reason = (
-                content or "",
-                calls,
-                "tool_calls",
-            )
+        content, calls, completion.finish_reason = use.read(completion.text, completion.finish_reason)
+        completion.text, completion.tool_calls = content or "", calls or None
         return completion
 
     def log_probs(self, tokens: list[int]) -> torch.Tensor:  # [T - 1, V] fp32, on the CPU
@@ -243,7 +236,7 @@ class LLM:
         compile or allows no text, ValueError for token ids past the vocabulary."""
         for name in ("logit_bias", "allowed_token_ids"):
             if any(t >= vocab for t in getattr(params, name) or ()):
-                raise ValueError(f"{name}: token ids must be in [0, {vocab})")
+                raise ParamError(name, f"token ids must be in [0, {vocab})")
         grammar = None
         if params.structured is not None:
             with self._grammars_lock:

@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException
 
 from redline.engine.llm import LLM
 from redline.engine.request import Completion
+from redline.sampling import ParamError
 from redline.server import protocol
 from redline.server.engine_loop import EngineLoop, EngineUnavailable, Event, QueueFull
 from redline.server.errors import APIError, internal
@@ -29,7 +30,7 @@ from redline.server.responses import Choice, Responder, error_event, sse
 from redline.server.schema import openapi_schema
 from redline.structured.grammar import StructuredError
 from redline.tokenizer import TokenizerError
-from redline.tool_calls.formats import FORMATS, format_for
+from redline.tool_calls.formats import format_for
 from redline.tool_calls.tool_use import ToolUse, template_messages
 
 MAX_BODY_BYTES = 1 << 20
@@ -46,8 +47,7 @@ class Server:
                  tool_format: str | None = None):  # fmt: skip
         """tool_format: how the model writes tool calls ("llama3_json", "pythonic"; None: its family's)."""
         self.llm, self.model_name, self.api_key = llm, model_name, api_key
-        family = format_for(llm.model_config.family)
-        self.tool_format = family if tool_format is None else FORMATS[tool_format]
+        self.tool_format = format_for(llm.model_config.family, tool_format)
         self.metrics = Metrics()
         self.engine = EngineLoop(llm, max_queue, on_step=self._gauges)
         self.created = int(time.time())
@@ -105,11 +105,10 @@ class Server:
                     request = self.llm.make_request(ids, dataclasses.replace(params, seed=seed), group)
                 except StructuredError as e:  # a schema, regex or grammar that does not compile
                     raise APIError(400, f"{parsed.structured_field}: {e}", parsed.structured_field) from e
+                except ParamError as e:  # logit_bias, allowed_token_ids, bad_words
+                    raise APIError(400, str(e), e.param) from e
                 except ValueError as e:
-                    controls = [
-                        f for f in ("logit_bias", "allowed_token_ids", "bad_words") if str(e).startswith(f)
-                    ]
-                    param = "max_tokens" if "context window" in str(e) else (controls or ["prompt"])[0]
+                    param = "max_tokens" if "context window" in str(e) else "prompt"
                     raise APIError(400, str(e), param) from e
                 choices.append(Choice(i * parsed.n + j, request, echo, tools=parsed.tools))
         return choices
@@ -193,10 +192,9 @@ async def sse_events(
             completions[choice.index] = event.completion
             reason = event.completion.finish_reason
             if choice.tool_stream is not None:  # the text held back: content, or the calls
-                held, calls = choice.tool_stream.finish(complete=reason == "stop")
+                held, calls, reason = choice.tool_stream.finish(reason)
                 if held or calls:
                     yield responder.chunk(choice, held or None, calls=calls)
-                reason = "tool_calls" if calls else reason
             yield responder.chunk(choice, None, finish_reason=reason)
     if include_usage:
         yield responder.usage_chunk(choices, [completions[c.index] for c in choices])

@@ -102,11 +102,12 @@ class Responder:
                 logprobs = self.logprobs(choice, tokens, entries)
             reason = c.finish_reason
             if self.chat:
-                read = choice.tools is not None and c.finish_reason == "stop"  # not cut short, nor failed
-                content, calls = choice.tools.read(c.text) if read else (c.text, [])
+                content, calls = c.text, []
+                if choice.tools is not None:
+                    content, calls, reason = choice.tools.read(c.text, reason)
                 message: dict = {"role": "assistant", "content": content}
                 if calls:
-                    message["tool_calls"], reason = [call.openai() for call in calls], "tool_calls"
+                    message["tool_calls"] = [call.openai() for call in calls]
                 body = {"index": choice.index, "message": message, "logprobs": logprobs}
             else:
                 body = {"index": choice.index, "text": (choice.echo or "") + c.text, "logprobs": logprobs}

@@ -55,8 +55,8 @@ def target_probs(
     return filtered_probs(penalize(shaped, sampling, counts, seen), sampling)
 
 
-def argmax_shaping(sampling: SamplingTensors, rows: int) -> BlockShaping:
-    """The argmax path's target logits, each rank's block [B, T, N] (T <= rows): its rows' masks (a grammar,
+def argmax_shaping(sampling: SamplingTensors) -> BlockShaping:
+    """The argmax path's target logits, each rank's block [B, T, N]: its rows' masks (a grammar,
     bad words) and its slots' bias rows (logit_bias, bad words of one token) applied; all-allowed masks and
     zero rows leave it as it was. Requests with allowed_token_ids take the logits path, where a row the
     bias leaves nothing keeps its mask (penalties.with_bias): here the bias is finite or the mask's."""
@@ -110,7 +110,7 @@ class Emitter:
     ) -> Emitted:
         logits = None
         if not any_sampling:  # argmax only: under tensor parallelism, no logits gathered
-            choices = self.target.greedy_tokens(hidden, argmax_shaping(sampling, hidden.shape[1]))
+            choices = self.target.greedy_tokens(hidden, argmax_shaping(sampling))
             tokens, accepted = greedy_verify(choices, drafts)
         else:
             assert counts is not None and seen is not None

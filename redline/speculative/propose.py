@@ -48,23 +48,23 @@ def propose(
     penalties: tuple[torch.Tensor, torch.Tensor] | None = None,  # target counts [B, V], seen [B, V]
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns draft tokens [B, K] (target ids) and, when sampling, their distributions [B, K, V_draft].
-    With penalties (penalties.py) the draft's logits are penalized as the target's are, each proposal
-    counting the ones before it, so its proposals follow the distribution verification will use."""
+    The draft's logits take the slots' bias rows; with penalties (penalties.py) they are penalized as the
+    target's are, each proposal counting the ones before it, so its proposals follow the distribution
+    verification will use."""
     cache, tables, kv_len = inputs.cache, inputs.tables, inputs.kv_len
-    bias = draft_bias(draft, sampling.bias)
-    if penalties is not None:
-        counts, seen = on_draft_vocabulary(draft, penalties)
+    bias, *counts_seen = on_draft_vocabulary(draft, sampling.bias, *(penalties or ()))
+    counts, seen = counts_seen or (None, None)
     h, position = draft_root(draft, inputs, next_tokens, row)
     tokens, probs = [], []
     for step in range(k):
         if any_sampling:
-            logits = draft.logits(h)  # [B, 1, V_draft]
-            if penalties is not None:
-                logits = penalize(with_bias(logits, bias[:, None]), sampling, counts[:, None], seen)
+            logits = with_bias(draft.logits(h), bias[:, None])  # [B, 1, V_draft]
+            if counts is not None and seen is not None:
+                logits = penalize(logits, sampling, counts[:, None], seen)
             q = filtered_probs(logits, sampling)
             choice = sample_from(q, sampling.seed, position + 2, DRAFT_STREAM)
             probs.append(q)
-            if penalties is not None:
+            if counts is not None:
                 counts = counts.scatter_add(1, choice, torch.ones_like(choice, dtype=counts.dtype))
         else:  # argmax only: under tensor parallelism, no logits gathered
             biased = lambda local, first: local + bias_block(bias, first, local.shape[-1])[:, None]
@@ -101,18 +101,11 @@ def draft_root(
     return h, positions.gather(1, at_row)
 
 
-def on_draft_vocabulary(
-    draft: Eagle3Draft, penalties: tuple[torch.Tensor, torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Target counts [B, V] and seen [B, V] -> [B, V_draft] each: draft id d is target id to_target(d)."""
-    ids = draft.to_target(torch.arange(draft.config.draft_vocab_size, device=penalties[0].device))
-    counts, seen = (t[:, ids] for t in penalties)
-    return counts, seen
-
-
-def draft_bias(draft: Eagle3Draft, bias: torch.Tensor) -> torch.Tensor:
-    """The slots' bias rows [B, V] (structured/token_controls.py) on the draft's vocabulary: [B, V_draft]."""
-    return bias[:, draft.to_target(torch.arange(draft.config.draft_vocab_size, device=bias.device))]
+def on_draft_vocabulary(draft: Eagle3Draft, *rows: torch.Tensor) -> list[torch.Tensor]:
+    """Per-slot rows over the target's vocabulary (bias rows, counts, seen: [B, V]) -> [B, V_draft] each:
+    draft id d is target id to_target(d)."""
+    ids = draft.to_target(torch.arange(draft.config.draft_vocab_size, device=rows[0].device))
+    return [row[:, ids] for row in rows]
 
 
 def propose_tree(
@@ -127,11 +120,15 @@ def propose_tree(
     """A draft tree (speculative/tree.py) from the row: its nodes are the draft's top tokens, penalized by
     the counts so far (not along each branch: proposals only steer acceptance, never the output)."""
     h, position = draft_root(draft, inputs, next_tokens, row)
-    bias = draft_bias(draft, sampling.bias)[:, None]  # [B, 1, V_draft]
-    logits_of = lambda x: with_bias(draft.logits(x), bias)
-    if penalties is not None:
-        counts, seen = on_draft_vocabulary(draft, penalties)
-        logits_of = lambda x: penalize(with_bias(draft.logits(x), bias), sampling, counts[:, None], seen)
+    bias, *counts_seen = on_draft_vocabulary(draft, sampling.bias, *(penalties or ()))
+
+    def logits_of(x: torch.Tensor) -> torch.Tensor:  # [B, T, H] -> [B, T, V_draft]
+        logits = with_bias(draft.logits(x), bias[:, None])
+        if not counts_seen:
+            return logits
+        counts, seen = counts_seen
+        return penalize(logits, sampling, counts[:, None], seen)
+
     tokens, parents, _ = expand(
         draft, h, position, inputs.cache, inputs.tables, inputs.kv_len, shape, logits_of
     )

@@ -57,7 +57,7 @@ class TreeDecodeStep(DecodeStep):
         counts, seen = st.counts[:rows], st.seen[:rows]
         logits = None
         if not any_sampling:
-            choice = self.target.greedy_tokens(hidden, argmax_shaping(sampling, hidden.shape[1]))  # [B, N]
+            choice = self.target.greedy_tokens(hidden, argmax_shaping(sampling))  # [B, N]
             path, accepted, tokens = greedy_tree_verify(choice, pending, verified, shape.steps)
         else:
             logits = self.target.logits(hidden)  # [B, N, V]

@@ -70,7 +70,7 @@ class RequestGrammar:
         tree with parents [0, 0, 0, 1, 2]: row 1 takes d1; row 2 rolls back to the root, takes d2; row 3
         rolls back to the root, takes d1, d3; row 4 rolls back to the root, takes d2, d4."""
         out.fill_(ALL_ALLOWED)
-        parents = parents if parents is not None else [max(row - 1, 0) for row in range(len(pending))]
+        parents = parents if parents is not None else chain_parents(len(pending))
         path: list[int] = []  # the rows whose tokens the matcher holds, the root's child first
         refused: set[int] = set()  # rows the grammar refuses (or past the stop token), and their subtrees
         for row in range(len(pending)):
@@ -100,6 +100,11 @@ class RequestGrammar:
             if not self.matcher.accept_token(pending[row]):
                 raise RuntimeError(f"the grammar refused draft row {row}, which it took before")
         return list(target)
+
+
+def chain_parents(rows: int) -> list[int]:
+    """A chain's rows as a tree: row i's parent is row i - 1 (the root's is 0): 4 rows -> [0, 0, 1, 2]."""
+    return [max(row - 1, 0) for row in range(rows)]
 
 
 def path_to(row: int, parents: list[int]) -> list[int]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from redline.structured.bitmask import ALL_ALLOWED
-from redline.structured.matcher import RequestGrammar, path_to, words
+from redline.structured.matcher import RequestGrammar, chain_parents, path_to, words
 from redline.structured.token_controls import BadWords
 
 
@@ -54,6 +54,6 @@ class TokenRules:
         else:
             out.fill_(ALL_ALLOWED)
         if self.bad_words:
-            parents = parents if parents is not None else [max(row - 1, 0) for row in range(len(pending))]
+            parents = parents if parents is not None else chain_parents(len(pending))
             for row in range(len(pending)):
                 self.bad_words.restrict(row, [pending[r] for r in path_to(row, parents)], out)

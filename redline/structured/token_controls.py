@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from redline.sampling import SamplingParams
+from redline.sampling import ParamError, SamplingParams
 from redline.tokenizer import Tokenizer
 
 INT32_BITS = 0xFFFFFFFF
@@ -65,7 +65,7 @@ def token_bias(params: SamplingParams, banned: set[int]) -> TokenBias | None:
     values |= {t: float(v) for t, v in bias.items() if allowed is None or t in values}
     values |= dict.fromkeys(banned, float("-inf"))
     if allowed is not None and all(values[t] == float("-inf") for t in allowed):
-        raise ValueError("allowed_token_ids: every allowed token is a banned word")
+        raise ParamError("allowed_token_ids", "every allowed token is a banned word")
     return TokenBias(rest, tuple(values), tuple(values.values()))
 
 

@@ -145,6 +145,7 @@ FORMATS = {"llama3_json": Llama3Json(), "pythonic": Pythonic()}
 ToolFormat = Llama3Json | Pythonic
 
 
-def format_for(family: str) -> ToolFormat:
-    """The format a model family writes: Llama 4's pythonic, Llama 3's JSON."""
-    return FORMATS["pythonic" if family == "llama4" else "llama3_json"]
+def format_for(family: str, parser: str | None = None) -> ToolFormat:
+    """The format `parser` names ("llama3_json", "pythonic"), or the one the model family writes (None):
+    Llama 4's pythonic, Llama 3's JSON."""
+    return FORMATS[parser or ("pythonic" if family == "llama4" else "llama3_json")]

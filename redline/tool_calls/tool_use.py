@@ -48,12 +48,15 @@ class ToolUse:
         tools = [t for t in self.tools if self.choice == "required" or t["name"] == self.choice]
         return self.format.constraint(tools, self.parallel and self.choice == "required")
 
-    def read(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, calls) of a whole output: a text that is wholly calls of the tools is calls, with no
-        content."""
-        calls = self.format.parse(text)
+    def read(self, text: str, finish_reason: str) -> tuple[str | None, list[ToolCall], str]:
+        """(content, calls, finish_reason) of a whole output: one that ended on its stop and is wholly calls
+        of the tools is calls, with no content, finish "tool_calls"; any other (cut by max_tokens,
+        cancelled, failed) is its text, with its own finish."""
+        calls = self.format.parse(text) if finish_reason == "stop" else None
         names = {tool["name"] for tool in self.tools}
-        return (None, calls) if calls and all(call.name in names for call in calls) else (text, [])
+        if calls and all(call.name in names for call in calls):
+            return None, calls, "tool_calls"
+        return text, [], finish_reason
 
 
 def _argument_names(tool: dict) -> list[object]:
@@ -85,15 +88,12 @@ class ToolStream:
             return piece
         return ""
 
-    def finish(self, complete: bool) -> tuple[str, list[ToolCall]]:
-        """The content still held (when it was not calls) and the calls; an output cut short (max_tokens,
-        a cancel, a failure) is content."""
+    def finish(self, finish_reason: str) -> tuple[str, list[ToolCall], str]:
+        """The content still held (when it was not calls), the calls and the finish (ToolUse.read)."""
         if self.passing:
-            return "", []
-        if not complete:
-            return self.held, []
-        content, calls = self.use.read(self.held)
-        return content or "", calls
+            return "", [], finish_reason
+        content, calls, finish_reason = self.use.read(self.held, finish_reason)
+        return content or "", calls, finish_reason
 
 
 def template_messages(messages: list[dict]) -> list[dict]:
