@@ -5,11 +5,14 @@ four (EAGLE-3 K = 3). The rest of a step is the same either way; compare the add
 (benchmarks/hot_path.py: 9-11 ms at batch 1 and 8 on 2 cores).
 
     .venv/bin/python benchmarks/mask_cost.py [--vocab 49152] [--calls 200] [--rounds 5]
+
+Another revision's redline: PYTHONPATH=<its worktree> (the script is run from this tree).
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import time
 
 import torch
@@ -43,7 +46,8 @@ def main() -> None:
     for batch, rows in ((1, 1), (8, 1), (1, 4), (8, 4)):
         sampling = SamplingTensors.zeros(batch, torch.device("cpu"), rows, args.vocab)
         logits = torch.randn(batch, rows, args.vocab)
-        shape = argmax_shaping(sampling)
+        old = len(inspect.signature(argmax_shaping).parameters) > 1  # before 026551f it took rows
+        shape = argmax_shaping(sampling, rows) if old else argmax_shaping(sampling)
         plain = best_ms(torch.compile(lambda x: x.argmax(-1)), logits, args.calls, args.rounds)
         shaped = best_ms(
             torch.compile(lambda x, s=shape: s(x, 0).argmax(-1)), logits, args.calls, args.rounds
