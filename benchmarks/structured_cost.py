@@ -9,8 +9,9 @@ the schema requires exactly those fields (strings and integers). Greedy. Per con
 request's decode tokens/s (its tokens after the first over the time from its first token to its last:
 constrained outputs are shorter, so end-to-end rates would mostly compare prefill shares), the mean
 acceptance length with the draft, the share of the wall time the host spent in the grammar (the
-matchers' masks before each step and their commits after: RequestGrammar.masks / .commit), and how many
-outputs parse as JSON objects with every asked field (unconstrained: the text, a ``` fence stripped).
+matchers' masks before each step, the draft's inside it and the commits after: RequestGrammar.masks /
+.proposal_masks / .commit), and how many outputs parse as JSON objects with every asked field
+(unconstrained: the text, a ``` fence stripped).
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ def main() -> None:
     args = parser.parse_args()
     matcher.RequestGrammar.masks = timed(matcher.RequestGrammar.masks)
     matcher.RequestGrammar.commit = timed(matcher.RequestGrammar.commit)
+    matcher.RequestGrammar.proposal_masks = timed(matcher.RequestGrammar.proposal_masks)  # in-step
     print(json.dumps(describe()), flush=True)
     target = smollm2_dir(torch.bfloat16)
     common = dict(dtype="bfloat16", compile=True, max_batch=8, max_seq_len=512, progress=False)

@@ -24,7 +24,8 @@ from redline import LLM, SamplingParams  # noqa: E402
 from redline.demo import SHIPPED_DRAFT  # noqa: E402
 from redline.models.gguf import gguf_model_dir, smollm2_gguf  # noqa: E402
 from redline.server.app import Server  # noqa: E402
-from redline.tool_calls.formats import Llama3Json, Pythonic, format_for  # noqa: E402
+from redline.tokenizer import Tokenizer  # noqa: E402
+from redline.tool_calls.formats import Llama3Json, Pythonic, format_for, template_format  # noqa: E402
 from redline.tool_calls.pythonic_grammar import pythonic_calls_grammar  # noqa: E402
 from redline.tool_calls.tool_use import ToolStream, ToolUse  # noqa: E402
 
@@ -105,6 +106,24 @@ def test_pythonic_calls_read_back_as_json():
         assert f.parse(text) is None, text
     assert f.might_be_call("[get_") and not f.might_be_call("Sure")
     assert format_for("llama4").name == "pythonic" and format_for("llama3").name == "llama3_json"
+
+
+def test_the_call_format_is_the_one_the_chat_template_writes(tokenizer_dir, tmp_path):
+    """A Llama 4 model whose template writes JSON calls (as Meta's own does) reads JSON, a Llama 3 model
+    with a pythonic template pythonic; a template that writes no calls, or none, leaves the family's; a
+    named parser wins."""
+    for template, family, want in [("llama3_json_tools.jinja", "llama4", "llama3_json"),
+                                   ("llama4_pythonic_tools.jinja", "llama3", "pythonic")]:  # fmt: skip
+        tokenizer = Tokenizer.from_dir(with_template(tokenizer_dir, tmp_path / template, template))
+        written = template_format(tokenizer)
+        assert format_for(family, None, written).name == want
+        assert format_for(family, family_parser(family), written).name == family_parser(family)
+    assert template_format(Tokenizer.from_dir(tokenizer_dir)) is None  # a template without tools
+    assert format_for("llama4", None, None).name == "pythonic"
+
+
+def family_parser(family: str) -> str:
+    return "pythonic" if family == "llama4" else "llama3_json"
 
 
 def test_the_pythonic_grammar_takes_valid_calls_only():

@@ -231,7 +231,7 @@ def test_the_drafts_tree_expands_each_node_from_its_own_branch(tiny_target, tmp_
         h = root(cache)
         at = positions[:, -1:]
         drafted, parents, scores = expand(draft, h, at, cache.layers[0], cache.tables(0, 1), 64, shape,
-                                          draft.logits)  # fmt: skip
+                                          lambda x, _paths: draft.logits(x))  # fmt: skip
         rows = torch.cat((tokens[:, -1:], drafted), dim=1)[0].tolist()  # row 0 stands for the root
         for r in range(1, shape.nodes):
             branch = path_of(parents[0].tolist(), r)[1:]  # rows below the root, down to r

@@ -17,6 +17,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator, Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ from redline.structured.matcher import RequestGrammar
 from redline.structured.rules import TokenRules
 from redline.structured.token_controls import BadWords, TokenBias, bad_word_ids, token_bias
 from redline.tokenizer import Tokenizer
-from redline.tool_calls.formats import format_for
+from redline.tool_calls.formats import ToolFormat, format_for, template_format
 from redline.tool_calls.tool_use import ToolUse, template_messages
 
 Prompt = str | Sequence[int]
@@ -195,6 +196,11 @@ class LLM:
         self.engine.add(request)
         return Stream(self.engine, request)
 
+    @cached_property
+    def _template_tool_format(self) -> ToolFormat | None:
+        """The tool-call format the chat template writes (rendered once)."""
+        return template_format(self.tokenizer)
+
     def chat(
         self,
         messages: list[dict[str, Any]],
@@ -208,12 +214,12 @@ class LLM:
         objects, or {"type": "function", "function": ...}) the template renders them, tool_choice is
         "auto", "required" or a tool's name (tool_calls/tool_use.py), and an output that is calls comes
         back in `tool_calls` (finish_reason "tool_calls", text ""). tool_call_parser: "llama3_json" or
-        "pythonic" (None: the model family's, tool_calls/formats.py)."""
+        "pythonic" (None: the one the chat template writes, else the family's: tool_calls/formats.py)."""
         params = params or SamplingParams()
         if not tools or tool_choice == "none":
             return self.generate([self.tokenizer.encode_chat(template_messages(messages))], params)[0]
         functions = tuple(tool.get("function", tool) for tool in tools)
-        writes = format_for(self.model_config.family, tool_call_parser)
+        writes = format_for(self.model_config.family, tool_call_parser, self._template_tool_format)
         use = ToolUse(functions, tool_choice, parallel_tool_calls, writes)
         if (calls := use.constraint()) is not None:
             if params.structured is not None:

@@ -51,6 +51,8 @@ from redline.runner.plan import (
     TableUpdate,
     TokenMask,
 )
+from redline.structured.draft_masks import install
+from redline.structured.rules import TokenRules
 
 log = logging.getLogger("redline.engine")
 
@@ -65,6 +67,7 @@ class Planned:
     decoding: dict[int, Request] = field(default_factory=dict)  # slot -> request, admission order
     masks: list[TokenMask] = field(default_factory=list)  # structured outputs' (engine/grammar_masks.py)
     unread: list[int] = field(default_factory=list)  # prefilled constrained slots whose pending is unknown
+    rules: dict[int, TokenRules] = field(default_factory=dict)  # slot -> the rules its rows run under
 
 
 class Scheduler:
@@ -116,6 +119,7 @@ class Scheduler:
         prefill = self._plan_prefill() if self.unusable is None else None
         decode = self._plan_decode() if self.unusable is None else None
         masks, unread = tuple(self.planned.masks), tuple(self.planned.unread)
+        install(self.planned.rules)  # for the draft's proposals in this thread's steps (draft_masks.py)
         plan = StepPlan(tuple(self._released), tuple(self._tables), tuple(self._admitted), prefill, decode,
                         masks, tuple(m.slot for m in masks) + unread)  # fmt: skip
         self._released, self._tables, self._admitted = [], [], []
@@ -231,6 +235,7 @@ class Scheduler:
             self.planned.chunks.append((request, planned))
             if planned.final and request.rules is not None:
                 self.planned.masks.append(first_token_mask(request, request.slot))
+                self.planned.rules[request.slot] = request.rules
         if not self.planned.chunks:
             return None
         logits = any(r.params.needs_logits for r, _ in self.planned.chunks)
@@ -272,6 +277,7 @@ class Scheduler:
         for slot, request in decoding.items():
             if request.rules is not None:
                 self.planned.masks.append(step_mask(request, slot, k, self.shapes))
+                self.planned.rules[slot] = request.rules
         return DecodeBatch(rows, self.shapes.kv_len_for(last), logits, logprobs, k)
 
     # ---- results ----

@@ -94,7 +94,11 @@ class ModelRunner:
                                   blocks, draft_layers)  # fmt: skip
             draft_cache.table = cache.table  # the same positions: the same blocks
         self.slots = DeviceSlots(cache, draft_cache, state, sampling)
-        emitter = Emitter(model, draft, shapes.k, shapes.ngram, shapes.tree)
+        graphed = cuda_graphs if cuda_graphs is not None else self.device.type == "cuda"
+        # requests' rules on the draft's proposals: a host callback, which a CUDA graph cannot make and other
+        # ranks cannot answer (structured/draft_masks.py)
+        self.masks_drafts = draft is not None and not graphed and model.tp.size == 1
+        emitter = Emitter(model, draft, shapes.k, shapes.ngram, shapes.tree, self.masks_drafts)
         step = DecodeStep if shapes.tree is None else TreeDecodeStep
         self.step: DecodeStep = step(emitter, cache, draft_cache, state, sampling, self.deferred)
         self.compiled_prefill = self.compiled_step = self.graphed_step = None
@@ -108,15 +112,20 @@ class ModelRunner:
             step_graphs = len({(rows, logits, k) for rows, _, logits, k in shapes.step_keys()})
             self._run_step = self.compiled_step = CompiledStep(self.step, shapes.cache_len, self.device,
                                                                step_graphs)  # fmt: skip
-        if cuda_graphs if cuda_graphs is not None else self.device.type == "cuda":
+        if graphed:
             self._run_step = self.graphed_step = GraphedStep(self._run_step, state)
         self.prefill = Prefill(emitter, forward, self.slots, shapes)
-        pin = self.device.type == "cuda" and torch.cuda.is_available()
-        k = shapes.k  # the logits path's output: K + 2 columns, then K + 1 tokens' log-probabilities
-        width = k + 2 + (k + 1) * logprobs.width(model.config.vocab_size)
-        self._host_tokens = torch.zeros((shapes.slots, k + 2), dtype=torch.int64, pin_memory=pin)
         self._launched = 0.0  # when the last decode step was launched (perf_counter)
-        self._host_logprobs = torch.zeros((shapes.slots, width), dtype=torch.int64, pin_memory=pin)
+        self._host_tokens, self._host_logprobs = self._host_buffers()
+
+    def _host_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where a step's output is read to: [slots, K + 2] tokens and n_acc, and on the logits path those
+        columns then the K + 1 tokens' packed log-probabilities (pinned on CUDA)."""
+        pin = self.device.type == "cuda" and torch.cuda.is_available()
+        slots, k = self.shapes.slots, self.shapes.k
+        width = k + 2 + (k + 1) * logprobs.width(self.model.config.vocab_size)
+        tokens = torch.zeros((slots, k + 2), dtype=torch.int64, pin_memory=pin)
+        return tokens, torch.zeros((slots, width), dtype=torch.int64, pin_memory=pin)
 
     @torch.inference_mode()
     def run_step(self, rows: int, kv_len: int, any_sampling: bool, k: int | None = None) -> torch.Tensor:

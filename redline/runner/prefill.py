@@ -122,7 +122,8 @@ class Prefill:
             reach = max(c.end for c in chunks) + self.shapes.reach + 2
             kv_len = min(max(padded.kv_len, reach), self.shapes.cache_len)
             draft_inputs = DraftInputs(aux, padded.next_tokens, padded.positions, last,
-                                       slots.draft_cache.layers[0], tables, kv_len, one_row=True)  # fmt: skip
+                                       slots.draft_cache.layers[0], tables, kv_len, one_row=True,
+                                       slots=rows)  # fmt: skip
         no_drafts = torch.zeros((len(chunks), 0), dtype=torch.int64, device=slots.device)
         history = None if state.history is None else state.history[rows]  # [B, L], a copy: written back
         e = self.emit(h_last, no_drafts, None, position, slots.sampling.take(rows), counts, seen, final,

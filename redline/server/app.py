@@ -30,7 +30,7 @@ from redline.server.responses import Choice, Responder, error_event, sse
 from redline.server.schema import openapi_schema
 from redline.structured.grammar import StructuredError
 from redline.tokenizer import TokenizerError
-from redline.tool_calls.formats import format_for
+from redline.tool_calls.formats import format_for, template_format
 from redline.tool_calls.tool_use import ToolUse, template_messages
 
 MAX_BODY_BYTES = 1 << 20
@@ -45,9 +45,10 @@ class Server:
 
     def __init__(self, llm: LLM, model_name: str, api_key: str | None = None, max_queue: int = 64,
                  tool_format: str | None = None):  # fmt: skip
-        """tool_format: how the model writes tool calls ("llama3_json", "pythonic"; None: its family's)."""
+        """tool_format: how the model writes tool calls ("llama3_json", "pythonic"; None: the one its chat
+        template writes, else its family's: tool_calls/formats.py)."""
         self.llm, self.model_name, self.api_key = llm, model_name, api_key
-        self.tool_format = format_for(llm.model_config.family, tool_format)
+        self.tool_format = format_for(llm.model_config.family, tool_format, template_format(llm.tokenizer))
         self.metrics = Metrics()
         self.engine = EngineLoop(llm, max_queue, on_step=self._gauges)
         self.created = int(time.time())

@@ -115,7 +115,8 @@ def add_parser(sub) -> None:
     )
     http.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
     parsers = ["llama3_json", "pythonic"]
-    help = "how the model writes tool calls (default: Llama 4's pythonic, Llama 3's JSON)"
+    help = "how the model writes tool calls (default: the format its chat template writes calls in, else "
+    help += "Llama 4's pythonic, Llama 3's JSON)"
     http.add_argument("--tool-call-parser", choices=parsers, default=None, help=help)
     http.add_argument("--host", default="127.0.0.1")
     http.add_argument("--port", type=int, default=8000)

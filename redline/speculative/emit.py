@@ -39,6 +39,7 @@ from redline.speculative.propose import DraftInputs, propose, propose_tree
 from redline.speculative.tree import chain_into_tree
 from redline.speculative.verify import greedy_verify, rejection_verify
 from redline.structured.bitmask import allowed_logits
+from redline.structured.draft_masks import DraftVocabulary, ProposalRules
 from redline.structured.token_controls import bias_block
 
 
@@ -87,12 +88,16 @@ class Emitter:
         k: int,
         lookup: NgramRange | None = None,
         tree: TreeShape | None = None,
+        masks_drafts: bool = False,  # the rows' rules on the draft's proposals (structured/draft_masks.py)
     ):
         """k > 0 needs a draft, n-gram lookup or both; a tree (k = its steps) needs a draft."""
         self.target, self.draft, self.k, self.lookup, self.tree = target, draft, k, lookup, tree
+        self.draft_vocabulary = None
         if draft is not None:  # draft id -> target id for the whole draft vocabulary (q on the target's)
             ids = torch.arange(draft.config.draft_vocab_size, device=draft.d2t.device)
             self.draft_to_target = draft.to_target(ids)
+            if masks_drafts:
+                self.draft_vocabulary = DraftVocabulary.of(self.draft_to_target, target.config.vocab_size)
 
     def __call__(
         self,
@@ -225,12 +230,19 @@ class Emitter:
             penalties = (counts, seen)
         assert self.draft is not None
         row = inputs.first_row + accepted
+        rules = None
+        if self.draft_vocabulary is not None:
+            slots = torch.arange(len(row), device=row.device) if inputs.slots is None else inputs.slots
+            rules = ProposalRules(self.draft_vocabulary, torch.where(emitting, slots, -1), tokens, accepted)
         if self.tree is not None:
             drafts, parents = propose_tree(
-                self.draft, inputs, next_tokens, row, self.tree, sampling, penalties
+                self.draft, inputs, next_tokens, row, self.tree, sampling, penalties, rules
             )
             return drafts, None, parents
-        return *propose(self.draft, inputs, next_tokens, row, self.k, sampling, any_sampling, penalties), None
+        proposed = propose(
+            self.draft, inputs, next_tokens, row, self.k, sampling, any_sampling, penalties, rules
+        )
+        return *proposed, None
 
     def _no_proposals(
         self,

@@ -14,6 +14,7 @@ from redline.penalties import penalize, with_bias
 from redline.sampling import SamplingTensors, filtered_probs, sample_from
 from redline.speculative.deferred_keys import DeferredKeys
 from redline.speculative.tree import expand
+from redline.structured.draft_masks import ProposalRules
 from redline.structured.token_controls import bias_block
 
 DRAFT_STREAM = 2  # random stream of draft sampling
@@ -35,6 +36,7 @@ class DraftInputs:
     one_row: bool = False  # the draft's layer over the row the proposals continue from only, the other
     # rows' keys written alone (a prefill's hundreds of rows: see draft_root)
     deferred: DeferredKeys | None = None  # where such a step leaves it
+    slots: torch.Tensor | None = None  # [B] each row's slot (None: row b is slot b, as in a decode step)
 
 
 def propose(
@@ -46,19 +48,29 @@ def propose(
     sampling: SamplingTensors,
     any_sampling: bool,
     penalties: tuple[torch.Tensor, torch.Tensor] | None = None,  # target counts [B, V], seen [B, V]
+    rules: ProposalRules | None = None,  # the rows' rules (one process, no CUDA graph)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns draft tokens [B, K] (target ids) and, when sampling, their distributions [B, K, V_draft].
-    The draft's logits take the slots' bias rows; with penalties (penalties.py) they are penalized as the
-    target's are, each proposal counting the ones before it, so its proposals follow the distribution
-    verification will use."""
+    The draft's logits take the slots' bias rows and, with `rules`, their masks after the emitted tokens
+    and the proposals before (structured/draft_masks.py); with penalties (penalties.py) they are penalized
+    as the target's are, each proposal counting the ones before it, so its proposals follow the
+    distribution verification will use."""
     cache, tables, kv_len = inputs.cache, inputs.tables, inputs.kv_len
     bias, *counts_seen = on_draft_vocabulary(draft, sampling.bias, *(penalties or ()))
     counts, seen = counts_seen or (None, None)
     h, position = draft_root(draft, inputs, next_tokens, row)
-    tokens, probs = [], []
+    tokens: list[torch.Tensor] = []
+    probs = []
+
+    def masked(logits: torch.Tensor) -> torch.Tensor:  # [B, 1, V_draft] (one process: the whole vocabulary)
+        """The rows' rules after the proposals so far (before the bias, as the target's masks are)."""
+        if rules is None:
+            return logits
+        return rules.mask(logits, torch.cat(tokens, dim=1)[:, None] if tokens else next_tokens[:, None, :0])
+
     for step in range(k):
         if any_sampling:
-            logits = with_bias(draft.logits(h), bias[:, None])  # [B, 1, V_draft]
+            logits = with_bias(masked(draft.logits(h)), bias[:, None])  # [B, 1, V_draft]
             if counts is not None and seen is not None:
                 logits = penalize(logits, sampling, counts[:, None], seen)
             q = filtered_probs(logits, sampling)
@@ -67,7 +79,7 @@ def propose(
             if counts is not None:
                 counts = counts.scatter_add(1, choice, torch.ones_like(choice, dtype=counts.dtype))
         else:  # argmax only: under tensor parallelism, no logits gathered
-            biased = lambda local, first: local + bias_block(bias, first, local.shape[-1])[:, None]
+            biased = lambda local, first: masked(local) + bias_block(bias, first, local.shape[-1])[:, None]
             choice = draft.greedy_tokens(h, biased)  # [B, 1]
         token = draft.to_target(choice)  # [B, 1]
         tokens.append(token)
@@ -116,14 +128,18 @@ def propose_tree(
     shape: TreeShape,
     sampling: SamplingTensors,
     penalties: tuple[torch.Tensor, torch.Tensor] | None = None,  # target counts [B, V], seen [B, V]
+    rules: ProposalRules | None = None,  # the rows' rules (one process, no CUDA graph)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # tokens [B, N - 1] (target ids), parents [B, N]
-    """A draft tree (speculative/tree.py) from the row: its nodes are the draft's top tokens, penalized by
-    the counts so far (not along each branch: proposals only steer acceptance, never the output)."""
+    """A draft tree (speculative/tree.py) from the row: its nodes are the draft's top tokens, masked by
+    the rows' rules along each branch, penalized by the counts so far (not along each branch: proposals
+    only steer acceptance, never the output)."""
     h, position = draft_root(draft, inputs, next_tokens, row)
     bias, *counts_seen = on_draft_vocabulary(draft, sampling.bias, *(penalties or ()))
 
-    def logits_of(x: torch.Tensor) -> torch.Tensor:  # [B, T, H] -> [B, T, V_draft]
-        logits = with_bias(draft.logits(x), bias[:, None])
+    def logits_of(x: torch.Tensor, paths: torch.Tensor) -> torch.Tensor:  # [B, T, V_draft]
+        """x [B, T, H] the draft's hidden states at T frontier entries, paths [B, T, D] theirs."""
+        logits = draft.logits(x)
+        logits = with_bias(logits if rules is None else rules.mask(logits, paths), bias[:, None])
         if not counts_seen:
             return logits
         counts, seen = counts_seen

@@ -74,26 +74,30 @@ def expand(
     tables: torch.Tensor,  # [B, blocks per sequence] int32
     kv_len: int,
     shape: TreeShape,
-    logits_of: Callable[[torch.Tensor], torch.Tensor],  # [B, T, H] -> [B, T, V_draft] the draft's logits
+    logits_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],  # the draft's logits [B, T, V_draft]
+    # from its hidden states [B, T, H] at T frontier entries, and the entries' paths [B, T, D] (target ids,
+    # from the root's first child: a row's rules mask them, structured/draft_masks.py)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Drafts the tree and keeps its best nodes: their tokens [B, N - 1] (target ids), per row the row of
     its parent [B, N], and their scores [B, N - 1] (cumulative log-probabilities)."""
     k, b = shape.topk, h.shape[0]
     device = h.device
-    logp = logits_of(h).log_softmax(-1)[:, 0]  # [B, V_draft]
+    logp = logits_of(h, position[:, None, :0])[:, 0].log_softmax(-1)  # [B, V_draft]
     score, choice = logp.topk(k, dim=-1)  # [B, k]
     scores, ids, parent = [score], [choice], [torch.full((b, k), -1, device=device, dtype=torch.int64)]
     frontier = torch.arange(k, device=device).expand(b, k)  # pool indices of the frontier
     hidden = h.expand(b, k, h.shape[-1])  # the frontier's parents' hidden states
     base = position[:, 0] + 1  # the first draft-cache slot the frontier may use (past the root's row)
     bits = torch.zeros(b, k, dtype=torch.int64, device=device)  # the frontier's ancestors' slots
+    paths = position[:, None, :0].expand(b, k, 0)  # [B, k, step - 1]: the frontier's ancestors' tokens
     for step in range(1, shape.steps):
         slots = base[:, None] + (step - 1) * k + torch.arange(k, device=device)  # [B, k]
         bits = bits | (1 << (slots - base[:, None]))
         tokens = draft.to_target(choice)  # [B, k]
+        paths = torch.cat((paths, tokens[..., None]), dim=-1)  # [B, k, step]: with the frontier's own
         out = draft(tokens, hidden, (position + step).expand(b, k), cache, tables, kv_len,
                     TreeMask(slots, base, bits))  # fmt: skip
-        logp = logits_of(out).log_softmax(-1)  # [B, k, V_draft]
+        logp = logits_of(out, paths).log_softmax(-1)  # [B, k, V_draft]
         child_score, child = logp.topk(k, dim=-1)  # [B, k, k]
         child_score = score[:, :, None] + child_score
         offset = k + (step - 1) * k * k  # pool index of this step's first child
@@ -107,6 +111,7 @@ def expand(
         frontier = offset + best
         hidden = out.gather(1, (best // k)[..., None].expand(b, k, out.shape[-1]))
         bits = bits.gather(1, best // k)
+        paths = paths.gather(1, (best // k)[..., None].expand(b, k, step))
     pool_scores, pool_ids, pool_parent = (torch.cat(t, dim=1) for t in (scores, ids, parent))
     # the best nodes - 1, earlier entries first among equal scores (a parent before its child)
     keep = pool_scores.sort(dim=1, descending=True, stable=True).indices[:, : shape.nodes - 1]

@@ -88,6 +88,33 @@ class RequestGrammar:
         if path:
             self.matcher.rollback(len(path))
 
+    def proposal_masks(self, emitted: list[int], paths: list[list[int]], out: torch.Tensor) -> None:
+        """out[f] ([F, words] int32, all-allowed): what may follow the committed tokens, `emitted` and
+        paths[f] (a step's new tokens, then the draft's proposals on one path: structured/draft_masks.py);
+        left all-allowed where the grammar refuses a token of them or ends inside them. The matcher is
+        where it was afterwards, an exception included."""
+        held = [0]  # tokens the matcher holds past the committed ones
+
+        def take(tokens: list[int]) -> bool:
+            for token in tokens:
+                if self.matcher.is_terminated() or not self.matcher.accept_token(token):
+                    return False
+                held[0] += 1
+            return True
+
+        try:
+            if not take(emitted):
+                return
+            for f, path in enumerate(paths):
+                if take(path) and not self.matcher.is_terminated():
+                    self.matcher.fill_next_token_bitmask(out, f)
+                if held[0] > len(emitted):
+                    self.matcher.rollback(held[0] - len(emitted))
+                    held[0] = len(emitted)
+        finally:
+            if held[0]:
+                self.matcher.rollback(held[0])
+
     def _walk_to(self, path: list[int], target: list[int], pending: list[int]) -> list[int]:
         """From holding `path`'s tokens to holding `target`'s (rows the grammar took before): rolls back
         past their common start, then takes target's rest."""

@@ -57,3 +57,12 @@ class TokenRules:
             parents = parents if parents is not None else chain_parents(len(pending))
             for row in range(len(pending)):
                 self.bad_words.restrict(row, [pending[r] for r in path_to(row, parents)], out)
+
+    def proposal_masks(self, emitted: list[int], paths: list[list[int]], out: torch.Tensor) -> None:
+        """out[f] ([F, words] int32, all-allowed): what may follow the committed tokens, a step's `emitted`
+        tokens and the draft's proposals on paths[f] (structured/draft_masks.py)."""
+        if self.grammar is not None:
+            self.grammar.proposal_masks(emitted, paths, out)
+        if self.bad_words:
+            for f, path in enumerate(paths):
+                self.bad_words.restrict(f, emitted + path, out)

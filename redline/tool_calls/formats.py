@@ -3,8 +3,11 @@ write one.
 
 - Llama 3.1 / 3.2 / 3.3, JSON: `{"name": "get_weather", "parameters": {"city": "Paris"}}`, after the
   `<|python_tag|>` token or not (a special token: not in the text), several separated by ";".
-- Llama 4 (and Llama 3.2's pythonic template), pythonic: `[get_weather(city="Paris"), now()]`, read with
-  Python's own parser (literal values only: nothing is evaluated).
+- Llama 4's pythonic (Meta's documented format, vLLM's Llama 4 template; Meta's own Llama 4 template
+  writes JSON calls as Llama 3 does): `[get_weather(city="Paris"), now()]`, read with Python's own parser
+  (literal values only: nothing is evaluated).
+
+Which one a model writes is read from its chat template (format_for), unless the user names it.
 
 A call's arguments come back as a JSON object's text (OpenAI's `function.arguments`). A text that is not
 wholly calls is plain content (a tool_choice "auto" answer).
@@ -14,13 +17,17 @@ from __future__ import annotations
 
 import ast
 import json
+import logging
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from redline.structured_spec import StructuredOutputs
+from redline.tokenizer import Tokenizer
 from redline.tool_calls.pythonic_grammar import pythonic_calls_grammar
 
+logger = logging.getLogger(__name__)
 PYTHON_TAG = "<|python_tag|>"  # Llama 3's, before a call; Llama 4 wraps code in these:
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 
@@ -145,7 +152,31 @@ FORMATS = {"llama3_json": Llama3Json(), "pythonic": Pythonic()}
 ToolFormat = Llama3Json | Pythonic
 
 
-def format_for(family: str, parser: str | None = None) -> ToolFormat:
-    """The format `parser` names ("llama3_json", "pythonic"), or the one the model family writes (None):
-    Llama 4's pythonic, Llama 3's JSON."""
-    return FORMATS[parser or ("pythonic" if family == "llama4" else "llama3_json")]
+def format_for(family: str, parser: str | None = None, written: ToolFormat | None = None) -> ToolFormat:
+    """The format `parser` names ("llama3_json", "pythonic"); else the one the model's chat template
+    writes an earlier call in (`written`: template_format's), the format the model learned; else its
+    family's: Llama 4's pythonic, Llama 3's JSON. Meta's own Llama 4 template writes JSON calls, vLLM's
+    Llama 4 template pythonic ones."""
+    if parser is not None:
+        return FORMATS[parser]
+    return written or FORMATS["pythonic" if family == "llama4" else "llama3_json"]
+
+
+def template_format(tokenizer: Tokenizer) -> ToolFormat | None:
+    """How the chat template renders an assistant's call probe_tool(probe_argument=7): with the arguments
+    as a JSON object ('"probe_argument": 7', which the tool's own schema never holds) Llama 3's JSON,
+    'probe_tool(probe_argument=7)' pythonic; None for a template that writes neither (one that knows no
+    tools), raises, or is missing."""
+    schema = {"type": "object", "properties": {"probe_argument": {"type": "integer"}}}
+    tool = {"type": "function", "function": {"name": "probe_tool", "parameters": schema}}
+    call = {"id": "call_0", "type": "function",
+            "function": {"name": "probe_tool", "arguments": {"probe_argument": 7}}}  # fmt: skip
+    messages = [{"role": "user", "content": "probe"}, {"role": "assistant", "tool_calls": [call]}]
+    try:
+        text = tokenizer.apply_chat_template(messages, False, tools=[tool])
+    except Exception as error:  # a template that cannot render a call (TokenizerError, or its own bug)
+        logger.info("the chat template renders no tool call (%s): the family's format", error)
+        return None
+    if "probe_tool(probe_argument=7)" in text:
+        return FORMATS["pythonic"]
+    return FORMATS["llama3_json"] if re.search(r'"probe_argument":\s*7', text) else None
