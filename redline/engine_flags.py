@@ -42,6 +42,9 @@ def _parser_type(o: Option) -> Callable[[str], Any]:
     return convert
 
 
+QUANTIZING = ("revision", "quantization", "quantization_group_size")  # flags eval and bench skip
+
+
 def add_engine_args(
     parser: argparse.ArgumentParser,
     groups: Iterable[str] = tuple(GROUPS),

@@ -86,6 +86,16 @@ def test_specs_that_do_not_compile_name_the_problem_and_grammars_are_cached(comp
         compiler.compile(StructuredOutputs(regex="a" * 100_001))
 
 
+def test_bounded_json_strings_hold_no_raw_control_characters(compiler):
+    """A string with maxLength (xgrammar 0.2.9 lets U+0000 .. U+001F into one) takes printable text but
+    not a raw control character, which JSON forbids and json.loads refuses; unbounded strings neither."""
+    for string in ({"type": "string", "maxLength": 10}, {"type": "string"}):
+        schema = {"type": "object", "properties": {"m": string}, "required": ["m"]}
+        compiled = compiler.compile(StructuredOutputs(json=schema))
+        assert xgr.GrammarMatcher(compiled).accept_string('{"m": "a b"}')
+        assert not xgr.GrammarMatcher(compiled).accept_string('{"m": "a\x17')
+
+
 def allowed_ids(mask: torch.Tensor, vocab: int) -> set[int]:  # [W] int32 -> the token ids it allows
     bits = (mask[:, None] >> torch.arange(32)) & 1
     return set(bits.reshape(-1)[:vocab].nonzero()[:, 0].tolist())

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from redline.benchmark.prompts import ENGINE_SETS
-from redline.engine_flags import add_engine_args
+from redline.engine_flags import QUANTIZING, add_engine_args
 
 SERVE_FLAGS = ("--num-prompts", "--request-rate", "--max-concurrency", "--max-output-tokens", "--tokenizer")
 
@@ -39,7 +39,7 @@ def _modes(text: str) -> list[str]:
 
 def add_parser(sub) -> None:
     b = sub.add_parser("bench", help="HF vs redline vs redline + EAGLE-3 (--model), or load a server (--url)")
-    add_engine_args(b, groups=("load", "parallel"), skip=("revision", "quantization", "device"))
+    add_engine_args(b, groups=("load", "parallel"), skip=(*QUANTIZING, "device"))
     server = b.add_argument_group("server load test (--url)")
     server.add_argument("--url", help="base URL of an OpenAI-compatible server")
     server.add_argument("--concurrency", type=_int_list, default=[1, 2, 4, 8, 16], help="client counts")

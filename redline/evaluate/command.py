@@ -6,12 +6,12 @@ import argparse
 import json
 from pathlib import Path
 
-from redline.engine_flags import add_engine_args
+from redline.engine_flags import QUANTIZING, add_engine_args
 
 
 def add_parser(sub) -> None:
     e = sub.add_parser("eval", help="BF16 vs FP8 vs speculation: perplexity, KL, agreement, task accuracy")
-    add_engine_args(e, groups=("load", "parallel"), skip=("revision", "quantization"))
+    add_engine_args(e, groups=("load", "parallel"), skip=QUANTIZING)
     help = "humaneval | sharegpt | JSONL task file (math, choice, code)"
     e.add_argument("--data", required=True, help=help)
     e.add_argument("--limit", type=int, default=None, help="evaluate the first N tasks only")

@@ -57,8 +57,8 @@ def _config_and_scheme(
     model_dir: str | Path, quantization: str | None = None
 ) -> tuple[ModelConfig, Fp8Scheme | None]:
     """The whole model's config and the FP8 scheme of its checkpoint (None: high precision)."""
-    if quantization not in (None, "fp8"):
-        raise ValueError(f"unknown quantization {quantization!r}; choose fp8")
+    if quantization not in (None, "fp8", "int4"):
+        raise ValueError(f"unknown quantization {quantization!r}; choose fp8 or int4")
     config = ModelConfig.from_dir(model_dir)
     return config, fp8_scheme(config.raw, str(Path(model_dir) / "config.json"))
 
@@ -95,18 +95,25 @@ def load_target(
     tp: TensorParallel = SINGLE,
     backends: Backends = TORCH,
     aux_layers: tuple[int, ...] = (),
+    group_size: int = 32,  # int4's
 ) -> LlamaForCausalLM:
     """With tp.size > 1 this process builds and reads only rank tp.rank's shard (parallel/sharding.py).
     quantization "fp8" quantizes a high-precision checkpoint while loading (each decoder linear and
-    expert module as soon as its weights are read, so the high-precision model never sits in memory whole);
+    expert module as soon as its weights are read, so the high-precision model never sits in memory whole),
+    "int4" the decoder's linears to int4 weight-only in groups of group_size (CPU; quant/int4.py);
     FP8 checkpoints load as FP8 whatever it says. backends: what runs in the layers (layers/backends.py);
     aux_layers: the hidden states an EAGLE-3 draft reads (models/eagle3.aux_layers_of)."""
     whole, scheme = _config_and_scheme(model_dir, quantization)
     scaled_mm = scaled_mm_available(torch.device(device))
     model = skeleton(model_dir, tp, scaled_mm, backends, aux_layers)
     hook = None
-    if scheme is None and quantization == "fp8":
-        hook = QuantizeOnLoad(model, Fp8Scheme(tuple(HIGH_PRECISION)), scaled_mm)
+    if scheme is None and quantization in ("fp8", "int4"):
+        int4_group = group_size if quantization == "int4" else None
+        hook = QuantizeOnLoad(model, Fp8Scheme(tuple(HIGH_PRECISION)), scaled_mm, int4_group, dtype)
+    elif scheme is not None and quantization == "int4":
+        raise ValueError(
+            f"{model_dir} holds FP8 weights: int4 quantization takes a high-precision checkpoint"
+        )
     load_weights(
         model,
         model_dir,
@@ -130,8 +137,10 @@ def load_with_draft(
     quantization: str | None = None,
     tp: TensorParallel = SINGLE,
     backends: Backends = TORCH,
+    group_size: int = 32,  # int4's
 ) -> tuple[LlamaForCausalLM, Eagle3Draft]:
-    """The target built with the hidden states the draft reads (aux_layers_of), then the draft over it."""
+    """The target built with the hidden states the draft reads (aux_layers_of), then the draft over it (in
+    high precision whatever the target's quantization: it reads its own weights' dtype)."""
     aux = aux_layers_of(draft_dir, ModelConfig.from_dir(target_dir).num_layers)
-    target = load_target(target_dir, dtype, device, quantization, tp, backends, aux)
+    target = load_target(target_dir, dtype, device, quantization, tp, backends, aux, group_size)
     return target, load_draft(draft_dir, target, dtype, device, backends)

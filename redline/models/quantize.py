@@ -1,6 +1,6 @@
 """Swapping a model's decoder linears (and Llama 4 experts) for FP8 modules: the empty modules an FP8
 checkpoint loads into, or quantized copies of loaded high-precision modules (all at once with `to_fp8`,
-or each as soon as its weights are read with `QuantizeOnLoad`)."""
+or each as soon as its weights are read with `QuantizeOnLoad`, which also makes int4 linears)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from redline.layers.linear import Linear
 from redline.layers.moe import Experts
 from redline.quant.fp8 import Fp8Linear, Kind
 from redline.quant.fp8_experts import Fp8Experts
+from redline.quant.int4 import Int4Linear, check_int4_shape
 from redline.quant.scheme import Fp8Scheme
 
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -20,7 +21,10 @@ HIGH_PRECISION = ["lm_head", "re:.*router$"]  # plus embeddings and norms, which
 
 
 def _targets(
-    model: nn.Module, scheme: Fp8Scheme, checkpoint_name: Callable[[str], str] = lambda name: name
+    model: nn.Module,
+    scheme: Fp8Scheme,
+    checkpoint_name: Callable[[str], str] = lambda name: name,
+    experts: bool = True,  # int4 covers linears only
 ) -> Iterator[tuple[nn.Module, str, nn.Module, str]]:
     """(parent, attribute, module, full name) of every decoder linear and expert module FP8 covers."""
     for parent_name, parent in list(model.get_submodule("model.layers").named_modules(prefix="model.layers")):
@@ -28,7 +32,7 @@ def _targets(
             full = f"{parent_name}.{name}"
             if scheme.keeps_high_precision(full, checkpoint_name(full)):
                 continue
-            if (isinstance(child, Linear) and name in QUANTIZED) or isinstance(child, Experts):
+            if (isinstance(child, Linear) and name in QUANTIZED) or (experts and isinstance(child, Experts)):
                 yield parent, name, child, full
 
 
@@ -59,11 +63,11 @@ def to_fp8(model: nn.Module, scheme: Fp8Scheme, scaled_mm: bool) -> None:
         setattr(parent, name, _quantized(child, scaled_mm))
 
 
-def quantized_weights(model: nn.Module, scheme: Fp8Scheme) -> dict[str, Kind]:
+def quantized_weights(model: nn.Module, scheme: Fp8Scheme, experts: bool = True) -> dict[str, Kind]:
     """Module keys of the weights quantization turns into FP8, with the layout of their scales:
     {"model.layers.0.self_attn.q_proj.weight": "linear", "model.layers.1.mlp.experts.down_proj": "down"}"""
     weights: dict[str, Kind] = {}
-    for _, _, child, full in _targets(model, scheme):
+    for _, _, child, full in _targets(model, scheme, experts=experts):
         if isinstance(child, Linear):
             weights[f"{full}.weight"] = "linear"
         else:
@@ -73,16 +77,23 @@ def quantized_weights(model: nn.Module, scheme: Fp8Scheme) -> dict[str, Kind]:
 
 class QuantizeOnLoad:
     """A loader hook (models/loader.py LoadHook) that swaps each decoder linear and expert module for
-    its FP8 copy as soon as all its tensors are loaded, so a high-precision checkpoint never sits in memory
-    whole: the peak is the FP8 model plus one module in high precision. Weights to quantize load in their
-    on-disk precision (an fp32 checkpoint is not rounded to bf16 first), the rest in the model's dtype."""
+    its quantized copy as soon as all its tensors are loaded, so a high-precision checkpoint never sits in
+    memory whole: the peak is the quantized model plus one module in high precision. Weights to quantize
+    load in their on-disk precision (an fp32 checkpoint is not rounded to bf16 first), the rest in the
+    model's dtype. int4_group: int4 weight-only linears in groups of that size computing in `dtype` (the
+    model's; quant/int4.py; experts stay as they are, every shape checked before a weight is read), else
+    FP8."""
 
-    def __init__(self, model: nn.Module, scheme: Fp8Scheme, scaled_mm: bool) -> None:
-        self._scaled_mm = scaled_mm
-        self._weights = quantized_weights(model, scheme)
+    def __init__(self, model: nn.Module, scheme: Fp8Scheme, scaled_mm: bool, int4_group: int | None = None,
+                 dtype: torch.dtype | None = None) -> None:  # fmt: skip
+        self._scaled_mm, self._int4_group, self._dtype = scaled_mm, int4_group, dtype
+        experts = int4_group is None
+        self._weights = quantized_weights(model, scheme, experts)
         # module name -> (parent, attribute, the module's tensors not loaded yet)
         self._pending: dict[str, tuple[nn.Module, str, set[str]]] = {}
-        for parent, name, child, full in _targets(model, scheme):
+        for parent, name, child, full in _targets(model, scheme, experts=experts):
+            if int4_group is not None:
+                check_int4_shape(child.in_features, child.out_features, int4_group, full)
             self._pending[full] = (parent, name, {f"{full}.{key}" for key, _ in child.named_parameters()})
 
     def dtype(self, module_key: str, on_disk: torch.dtype, default: torch.dtype) -> torch.dtype:
@@ -96,4 +107,9 @@ class QuantizeOnLoad:
         pending.discard(module_key)
         if not pending:
             del self._pending[name]
-            setattr(parent, attribute, _quantized(getattr(parent, attribute), self._scaled_mm))
+            module = getattr(parent, attribute)
+            if self._int4_group is not None:
+                quantized = Int4Linear.from_linear(module, self._int4_group, name, self._dtype)
+            else:
+                quantized = _quantized(module, self._scaled_mm)
+            setattr(parent, attribute, quantized)

@@ -65,10 +65,12 @@ def build_models(
     draft = None
     if speculative.model is not None:
         model, draft = load_with_draft(
-            load.model, speculative.model, dtype, where, load.quantization, tp, backends
+            load.model, speculative.model, dtype, where, load.quantization, tp, backends, load.group_size
         )
     else:
-        model = load_target(load.model, dtype, where, load.quantization, tp, backends)
+        model = load_target(
+            load.model, dtype, where, load.quantization, tp, backends, group_size=load.group_size
+        )
     if where.type == "cpu":
         move_to_huge_pages(model, draft)
     return model, draft

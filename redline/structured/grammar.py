@@ -88,8 +88,10 @@ class GrammarCompiler:
         try:
             if spec.json is not None or spec.json_object:
                 schema = json.dumps({"type": "object"}) if spec.json_object else spec.key[1]
-                return c.compile_json_schema(schema, any_whitespace=False, separators=SEPARATORS,
-                                             strict_mode=spec.strict and not spec.json_object)  # fmt: skip
+                grammar = _xgrammar().Grammar.from_json_schema(
+                    schema, any_whitespace=False, separators=SEPARATORS,
+                    strict_mode=spec.strict and not spec.json_object)  # fmt: skip
+                return c.compile_grammar(escaped_control_characters(str(grammar)))
             if spec.regex is not None:
                 return c.compile_regex(spec.regex)
             if spec.choice is not None:
@@ -101,3 +103,16 @@ class GrammarCompiler:
             kind = spec.key[0].replace("_strict", "")
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise StructuredError(f"the structured output's {kind} does not compile: {first_line}") from error
+
+
+# xgrammar 0.2.9 writes a string with minLength / maxLength as repetitions of this character class, which
+# lets raw control characters (U+0000 .. U+001F) into the string: '{"m": "a\x17"}', which JSON forbids
+# and json.loads refuses. Its unbounded strings already exclude them.
+BOUNDED_STRING_CHARACTER = '[^\\"\\\\\\r\\n]'
+JSON_STRING_CHARACTER = '[^\\0-\\x1f\\"\\\\]'
+
+
+def escaped_control_characters(ebnf: str) -> str:
+    """The JSON schema grammar's EBNF with bounded strings' characters as JSON allows them unescaped:
+    root_prop_0_characters ::= (([^\\"\\\\\\r\\n])) -> (([^\\0-\\x1f\\"\\\\]))."""
+    return ebnf.replace(BOUNDED_STRING_CHARACTER, JSON_STRING_CHARACTER)
