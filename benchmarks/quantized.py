@@ -1,5 +1,6 @@
 """Quantized weights on the real SmolLM2-135M-Instruct (CPU): perplexity on held-out ShareGPT and compiled
-batch-1 decode speed, bf16 against int4 weight-only (quant/int4.py) in groups of 32 and 64 (issue 29).
+batch-1 decode speed, bf16 against int8 and int4 weight-only on load in groups of 32 (and int4 in groups of
+64): the C++ kernel's layout on AVX-512 BF16 CPUs (kernels/quantized_layout.py), else quant/int4.py.
 
     .venv/bin/python benchmarks/quantized.py [--tokens 1024] [--no-compile]
 
@@ -22,7 +23,7 @@ from redline.benchmark.machine import describe, read_bandwidth_gbps
 from redline.data import sharegpt
 from redline.models.gguf import gguf_model_dir, smollm2_gguf
 
-ENGINES = [(None, 32), ("int4", 32), ("int4", 64)]
+ENGINES = [(None, 32), ("int8", 32), ("int4", 32), ("int4", 64)]
 
 
 def decode_tok_s(llm: LLM, prompt: list[int], tokens: int = 128) -> float:

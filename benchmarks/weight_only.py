@@ -11,7 +11,9 @@ cache holds them). Candidates:
   F.linear;
 - int8 with per-channel scales, torch._weight_int8pack_mm (torchao's int8 weight-only CPU path);
 - int4 with groups of 32 and 64 (asymmetric: a scale and a zero per group), torch's tinygemm layout
-  (_convert_weight_to_int4pack_for_cpu, _weight_int4pack_mm_for_cpu: torchao's int4 weight-only CPU path).
+  (_convert_weight_to_int4pack_for_cpu, _weight_int4pack_mm_for_cpu: torchao's int4 weight-only CPU path);
+- redline's grouped int4 and int8 C++ kernel (kernels/quantized_layout.py: fp16 scale and zero per group of
+  32, csrc/quantized_rows_bf16.cpp), what `--quantization int4|int8` runs on AVX-512 BF16 CPUs.
 A K of 576 takes no groups of 128. Per candidate: microseconds per product (the median over rounds) and
 the weight bytes it read per second, against the read bandwidth measured in the same run.
 """
@@ -29,6 +31,7 @@ import torch
 from redline.benchmark.machine import describe, read_bandwidth_gbps
 from redline.kernels import cpu_ops
 from redline.kernels.packed_layout import pack
+from redline.kernels.quantized_layout import quantize
 from redline.quant.int4 import INNER_K_TILES, quantize_int4
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
@@ -57,6 +60,12 @@ def candidates(w: torch.Tensor) -> dict[str, tuple[Callable[[torch.Tensor], torc
     if cpu_ops.load():
         packed = pack(bf16)
         out["bf16 packed C++"] = (lambda x: cpu_ops.few_rows_bf16(x, packed), 2 * n * k)
+        for bits in (4, 8):
+            grouped = quantize(w, bits, 32)
+            out[f"int{bits} g32 redline C++"] = (
+                lambda x, t=grouped: cpu_ops.few_rows_bf16(x, t),
+                grouped.numel(),
+            )
     q8, s8 = int8_weight(w)
     out["int8 per channel"] = (lambda x: torch._weight_int8pack_mm(x, q8, s8), n * k + 2 * n)
     for group in (32, 64):

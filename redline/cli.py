@@ -180,7 +180,8 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from redline.demo import DEMO_K, run_demo
 
-    run_demo(args.prompts, args.max_tokens, args.num_draft_tokens or DEMO_K, not args.eager, args.dtype)
+    k = args.num_draft_tokens or DEMO_K
+    run_demo(args.prompts, args.max_tokens, k, not args.eager, args.dtype, not args.dequantized)
     return 0
 
 
@@ -281,6 +282,9 @@ def _add_training(sub) -> None:
     m.add_argument("--eager", action="store_true", help=help)
     help = "of the chats (default: bfloat16 where the CPU computes it natively, float32 elsewhere)"
     m.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help=help)
+    help = "run the bf16 import of the GGUF file, not the file's own Q4_1 / Q8_0 weights (the default "
+    help += "in bfloat16 on CPUs with the AVX-512 BF16 kernels)"
+    m.add_argument("--dequantized", action="store_true", help=help)
     m.set_defaults(func=cmd_demo)
 
 

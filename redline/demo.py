@@ -30,6 +30,7 @@ import torch
 from redline.dtypes import fast_dtype
 from redline.engine.llm import LLM
 from redline.engine.request import Completion
+from redline.kernels import cpu_ops
 from redline.sampling import SamplingParams
 from redline.tokenizer import Tokenizer
 from redline.train.draft import SHAREGPT, DraftRecipe, resumable, run_acceptance_length, train_draft
@@ -159,16 +160,21 @@ def run_demo(
     k: int = DEMO_K,
     compile: bool = True,
     dtype: str | None = None,
+    file_weights: bool = True,
 ) -> dict:
     """Chats with `num_prompts` prompts of each set; returns the measurements, per set and overall. By
     default on the engine's fast path: compiled, in bfloat16 where the CPU computes it natively (else
-    float32). Compiled, the K + 1 rows of a verify compute each row as the one-row step does, so greedy
-    texts are identical; eager bfloat16 can part at near-ties without the C++ CPU kernels (BENCHMARKS.md)."""
+    float32), and there, on CPUs with the AVX-512 BF16 kernels and with file_weights, the GGUF file's own
+    Q4_1 / Q8_0 tensors (quantization "gguf": the weights llama.cpp runs). Compiled, the K + 1 rows of a
+    verify compute each row as the one-row step does, so greedy texts are identical; eager bfloat16 can
+    part at near-ties without the C++ CPU kernels (BENCHMARKS.md)."""
     target, draft = demo_pair()
     dtype = dtype or fast_dtype("cpu")
+    quantization = "gguf" if file_weights and dtype == "bfloat16" and cpu_ops.load() else None
     common = dict(
-        dtype=dtype, max_num_seqs=1, max_model_len=MAX_PROMPT_TOKENS + max_tokens + 8, compile=compile
-    )
+        dtype=dtype, max_num_seqs=1, max_model_len=MAX_PROMPT_TOKENS + max_tokens + 8, compile=compile,
+        quantization=quantization,
+    )  # fmt: skip
     plain, plain_warm = timed_llm(target, **common)
     spec, spec_warm = timed_llm(target, draft=draft, num_speculative_tokens=k, **common)
     params = SamplingParams(max_tokens=max_tokens)
@@ -192,7 +198,8 @@ def run_demo(
     firsts = list({p.source: p.ids for p in reversed(prompts)}.values())  # the first prompt of each set
     result["llama_cpp_tps"] = llama_cpp_speed(firsts, max_tokens)
     mode = "compiled" if compile else "eager"
-    print(f"\n[redline] SmolLM2-135M-Instruct, batch 1, greedy, {mode} {dtype}, EAGLE-3 K={k}:")
+    weights = "the file's Q4_1 / Q8_0 weights" if quantization else f"{dtype} weights"
+    print(f"\n[redline] SmolLM2-135M-Instruct, batch 1, greedy, {mode}, {weights}, EAGLE-3 K={k}:")
     for source in (*runs, "all"):
         r = result[source]
         print(

@@ -9,9 +9,8 @@ command line through `engine_flags.add_engine_args` (the flags are generated fro
     EngineConfig.create("DIR", max_num_seqs=8, enable_prefix_caching=False)
     EngineConfig.create("DIR", max_batch=8, prefix_caching=False)          # the same, redline's names
 
-Values that depend on the model or the machine (dtype "auto" or unset, the context window, where a hub
-id lives) are resolved when the engine is built (models/source.py), never here: it reads no file.
-"""
+Values that depend on the model or the machine (dtype "auto" or unset, the context window, where a hub id
+lives) are resolved when the engine is built (models/source.py), never here: it reads no file."""
 
 from __future__ import annotations
 
@@ -30,11 +29,12 @@ from redline.dtypes import DTYPES, dtype_name, fast_dtype, parse_dtype
 MODES = ("min-latency", "max-throughput")
 MODE_SLOTS = {"min-latency": 4, "max-throughput": 256}  # max_num_seqs when not given
 MAX_THROUGHPUT_PREFILL_TOKENS = 2048  # max-throughput's prefill forwards; min-latency prefills whole prompts
-MAX_DRAFT_TOKENS = 8
-METHODS = ("eagle3", "ngram")
+MAX_DRAFT_TOKENS, METHODS = 8, ("eagle3", "ngram")  # the longest draft; speculative methods
 NGRAM_MIN, NGRAM_MAX, MAX_NGRAM = 2, 4, 16  # n-gram lookup: default suffix lengths, the longest allowed
 DEFAULT_CONTEXT = 4096  # max_model_len when not given: the model's own, at most this
-INT4_GROUP_SIZES = (32, 64, 128)  # quant/int4.py
+INT4_GROUP_SIZES = (32, 64, 128)  # int4's and int8's (quant/int4.py, kernels/quantized_layout.py)
+WEIGHT_ONLY = ("int4", "int8", "gguf")  # on load; gguf: a .gguf file's own tensors (models/gguf_blocks.py)
+QUANTIZATIONS = ("fp8", *WEIGHT_ONLY)
 
 
 def option(default: Any, help: str, *aliases: str, flags: tuple[str, ...] = (), flat: str = "", **kw: Any):
@@ -69,10 +69,10 @@ class LoadConfig:
     dtype: str | None = option(None, "bfloat16 | float16 | float32 | fp8 (FP8 weights) | auto (the "
                                "checkpoint's) (default: bfloat16 where the device computes it natively: "
                                "CUDA, CPUs with AVX-512 BF16 or AMX; float32 elsewhere)")  # fmt: skip
-    quantization: str | None = option(None, "fp8 | int4: quantize the decoder's weights on load (int4: "
-                                      "weight-only, CPU)", choices=("fp8", "int4"))  # fmt: skip
-    group_size: int = option(32, "int4: weights per group, each with a scale and a zero (32 | 64 | 128)",
-                             flat="quantization_group_size")  # fmt: skip
+    quantization: str | None = option(None, "fp8 | int4 | int8 (weight-only, CPU): quantize the decoder on "
+                                      "load; gguf: a .gguf's own tensors", choices=QUANTIZATIONS)  # fmt: skip
+    group_size: int = option(32, "int4, int8: weights per group, each with a scale and a zero "
+                             "(32 | 64 | 128)", flat="quantization_group_size")  # fmt: skip
     device: str = option("cpu", "cpu | cuda | cuda:N")
 
     def __post_init__(self) -> None:
@@ -80,10 +80,10 @@ class LoadConfig:
         _check_types(self)
         _require(self.dtype in (*DTYPES, "fp8", "auto", None), f"unknown dtype {self.dtype!r}; choose one of "
                  f"{', '.join(DTYPES)}, fp8, auto")  # fmt: skip
-        _require(self.quantization in (None, "fp8", "int4"), f"unknown quantization {self.quantization!r}")
+        _require(self.quantization in (None, *QUANTIZATIONS), f"quantization {self.quantization!r}?")
         _require(self.group_size in INT4_GROUP_SIZES, f"quantization_group_size {self.group_size}: 32|64|128")
-        _require(self.quantization != "int4" or (self.dtype != "fp8" and self.device == "cpu"),
-                 "int4 quantization runs on CPU, from high-precision weights (not fp8)")  # fmt: skip
+        _require(self.quantization not in WEIGHT_ONLY or (self.dtype != "fp8" and self.device == "cpu"),
+                 f"{self.quantization} quantization runs on CPU, from high-precision weights")  # fmt: skip
         _require(re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
                  f"unknown device {self.device!r}: cpu | cuda | cuda:N")  # fmt: skip
 

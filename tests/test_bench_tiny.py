@@ -55,6 +55,29 @@ def test_bench_writes_json_and_plot(trained, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_runs_redlines_rows_again_in_each_quantization(trained, tmp_path):
+    """--quantization int8,int4: the plain and EAGLE-3 rows in the model's dtype, then in int8 and int4, each
+    quantized row with its own roofline (fewer bytes than the unquantized model's) and greedy tokens equal
+    to its own quantization's plain row; x plain against the unquantized plain row."""
+    out = tmp_path / "bench.json"
+    argv = [
+        "bench", "--model", str(trained / "target"), "--draft", str(trained / "draft"), "--num-draft-tokens",
+        "2", "--max-tokens", "12", "--prompts", "2", "--prompt-len", "16", "--repeats", "1", "--modes",
+        "eager", "--no-hf", "--quantization", "int8,int4", "--json", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    runs = result["runs"]
+    assert [r["engine"] for r in runs] == [
+        "redline", "redline+eagle3", "redline int8", "redline+eagle3 int8", "redline int4",
+        "redline+eagle3 int4",
+    ]  # fmt: skip
+    assert all(r["tokens_equal_plain"] for r in runs)
+    full = result["roofline"]["weight_bytes"]
+    assert full > runs[2]["weight_bytes"] > runs[4]["weight_bytes"] and runs[2]["quantization"] == "int8"
+    assert main(["bench", "--model", str(trained / "target"), "--quantization", "int3"]) == 2
+
+
 def test_bench_rows_put_lookup_beside_the_chain_and_every_tree():
     settings = BenchSettings(ngram=(2, 4), trees=((4, 8),))
     rows = redline_rows(Path("d"), [1, 3], settings)

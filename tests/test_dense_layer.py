@@ -14,6 +14,7 @@ from redline.kernels.paged_kv import BLOCK
 from redline.layers.attention import AttentionBatch
 from redline.layers.backends import Backends
 from redline.models.llama import DecoderLayer, LlamaForCausalLM
+from redline.models.quantize import QUANTIZED, WeightOnly
 
 pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="needs AVX-512 BF16, a C++ compiler and ninja")
 
@@ -31,10 +32,15 @@ LLAMA4_DENSE = dict(
 
 
 def bf16_model(
-    dtype: torch.dtype = torch.bfloat16, layers: int = 1, compiled: bool = False, **fields
+    dtype: torch.dtype = torch.bfloat16,
+    layers: int = 1,
+    compiled: bool = False,
+    weight_only: WeightOnly | None = None,
+    **fields,
 ) -> LlamaForCausalLM:
     """A random Llama 3 model built as the engine builds it on this CPU for bf16 (norm weights near 1,
-    products of unit-scale activations), its weights in `dtype`."""
+    products of unit-scale activations), its weights in `dtype`, the decoder's linears quantized as
+    `weight_only` says before loading finishes (as QuantizeOnLoad does)."""
     raw = dict(architectures=["LlamaForCausalLM"], vocab_size=512, num_hidden_layers=layers)
     config = ModelConfig.from_dict({**raw, **SMOLLM2, **fields})
     model = LlamaForCausalLM(config, backends=Backends.choose("cpu", torch.bfloat16, compiled=compiled))
@@ -42,6 +48,9 @@ def bf16_model(
         for name, p in model.named_parameters():
             p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0.0, p.shape[-1] ** -0.5)
     model = model.to(dtype)
+    for name, module in model.named_modules():
+        if weight_only is not None and name.rpartition(".")[2] in QUANTIZED:
+            weight_only.quantized(module, name)
     model.finish_loading()
     return model
 
@@ -131,6 +140,28 @@ def test_a_verify_step_equals_its_one_token_steps_bit_for_bit(fields):
                 alone = layer(x[i : i + 1, j : j + 1], one, alone_cache)
                 assert torch.equal(alone[0, 0], whole[i, j])
     assert all(torch.equal(a, w) for a, w in zip(alone_cache, whole_cache, strict=True))
+
+
+@pytest.mark.parametrize("bits, group", [(4, 32), (8, 32), (4, 64)])
+def test_quantized_weights_take_one_call_which_computes_the_layers_ops(bits, group):
+    """SmolLM2's widths with int4 / int8 weights (kernels/quantized_layout.py): one call, whose output and
+    caches are the layer's ops' (each product the same kernel), and a verify step's rows bit for bit its
+    one-token steps'."""
+    model = bf16_model(weight_only=WeightOnly(bits, group, True, torch.bfloat16))
+    layer = model.model.layers[0]
+    assert layer.one_call is cpu_ops.dense_layer_bf16
+    assert layer.self_attn.qkv_weight.dtype == (torch.uint8 if bits == 4 else torch.int8)
+    x, caches, batch = step_case(model, 2, 4, kv_len=300)
+    with torch.no_grad():
+        one_cache, ops_cache = [c.clone() for c in caches], [c.clone() for c in caches]
+        got = layer(x, batch, tuple(one_cache))
+        mostly_equal(got, by_ops(layer, x, batch, tuple(ops_cache)))
+        alone_cache = tuple(c.clone() for c in caches)
+        for j in range(4):  # row 1's tokens one at a time, in order
+            one = step_batch(model, batch.positions[1:, j : j + 1], batch.tables[1:], 300)
+            assert torch.equal(layer(x[1:, j : j + 1], one, alone_cache)[0, 0], got[1, j])
+    for one, ops in zip(one_cache, ops_cache, strict=True):
+        mostly_equal(one, ops)
 
 
 def test_in_a_compiled_graph_it_writes_the_cache_in_place():

@@ -409,10 +409,10 @@ def test_cli_imports_a_gguf_and_generates_from_it(quantized, tmp_path, monkeypat
 
 
 def test_f16_copy_holds_the_dequantized_weights_metadata_and_tokenizer(quantized, tmp_path):
-    from redline.models.gguf_f16 import write_f16_gguf
+    from redline.models.gguf_copy import write_gguf_copy
 
     path, imported = quantized
-    f16 = write_f16_gguf(path, tmp_path / "f16.gguf", progress=False)
+    f16 = write_gguf_copy(path, tmp_path / "f16.gguf", progress=False)
     types = {t.tensor_type for t in gguf.GGUFReader(f16).tensors}
     assert types == {gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32}
     assert GGUFFile(f16).value("general.file_type") == gguf.LlamaFileType.MOSTLY_F16
@@ -424,6 +424,26 @@ def test_f16_copy_holds_the_dequantized_weights_metadata_and_tokenizer(quantized
     for name, tensor in source.items():
         expected = tensor.half().float() if tensor.ndim > 1 else tensor  # matrices in F16, vectors in F32
         assert torch.equal(copy[name], expected), name
+
+
+def test_q8_0_copy_quantizes_the_dequantized_weights_again(quantized, tmp_path):
+    """The bench's int8 rows' llama.cpp file: matrices Q8_0 (every width here is whole blocks of 32), within
+    half a step (step = max |w| / 127 per block of 32) of the import, plus the step's rounding to fp16
+    (subnormal for the small weights here) times up to 127."""
+    from redline.models.gguf_copy import write_gguf_copy
+
+    path, imported = quantized
+    q8 = write_gguf_copy(path, tmp_path / "q8.gguf", progress=False, kind="Q8_0")
+    types = {t.tensor_type for t in gguf.GGUFReader(q8).tensors}
+    assert types == {gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F32}
+    assert GGUFFile(q8).value("general.file_type") == gguf.LlamaFileType.MOSTLY_Q8_0
+    source = load_target(imported, torch.float32).state_dict()
+    copy = load_target(import_gguf(q8, tmp_path / "again", torch.float32, progress=False), torch.float32)
+    for name, tensor in copy.state_dict().items():
+        if tensor.ndim > 1:
+            step = source[name].reshape(-1, 32).abs().amax(-1, keepdim=True) / 127
+            error = (tensor - source[name]).reshape(-1, 32).abs()
+            assert (error <= step / 2 + 127 * (step.half().float() - step).abs() + 1e-9).all(), name
 
 
 def test_bench_takes_a_gguf_and_reports_the_roofline(quantized, tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ import torch
 from conftest import build_hf_model, llama3_hf_config, save_hf_model
 
 from redline import LLM, SamplingParams
+from redline.kernels import cpu_ops
 from redline.models.quantize import QUANTIZED
 from redline.quant.int4 import Int4Linear, dequantize_int4, quantize_int4
 from redline.train.random_init import write_random_draft
@@ -57,7 +58,7 @@ def test_shapes_the_kernel_cannot_take_name_the_layer():
         Int4Linear.from_linear(torch.nn.Linear(96, 32), 64, "down")
     with pytest.raises(ValueError, match="sizes that do: none"):
         Int4Linear.from_linear(torch.nn.Linear(80, 32), 32, "o")
-    with pytest.raises(ValueError, match="int4: up has 40 outputs; the kernel takes multiples of 16"):
+    with pytest.raises(ValueError, match="up has 40 outputs; torch's int4 weights take multiples of 16"):
         Int4Linear.from_linear(torch.nn.Linear(64, 40), 32, "up")
 
 
@@ -113,7 +114,8 @@ def test_int4_compiled_and_with_eagle3_decodes_what_plain_int4_does(target, tmp_
 
 def test_int4_options_that_cannot_work_are_refused_before_loading(target):
     """An unknown group size, fp8 weights, a CUDA device; and a bf16 model from an fp32 checkpoint
-    computes in bf16 (scales stored in the model's dtype, not the checkpoint's)."""
+    computes in bf16: in the C++ kernel's layout where this CPU runs it (tests/test_quantized_weights.py),
+    else an Int4Linear with scales in the model's dtype, not the checkpoint's."""
     with pytest.raises(ValueError, match="quantization_group_size 48: 32|64|128"):
         LLM(target, quantization="int4", quantization_group_size=48)
     for bad in (dict(dtype="fp8"), dict(device="cuda")):
@@ -121,4 +123,9 @@ def test_int4_options_that_cannot_work_are_refused_before_loading(target):
             LLM(target, quantization="int4", **bad)
     llm = LLM(target, dtype="bfloat16", max_batch=1, max_seq_len=64, quantization="int4")
     layer = llm.model.model.layers[0].mlp.down_proj
-    assert isinstance(layer, Int4Linear) and layer.scales_and_zeros.dtype == torch.bfloat16
+    if cpu_ops.load():
+        assert (
+            layer.weight.dtype == torch.uint8 and layer(torch.ones(1, 128).bfloat16()).dtype == torch.bfloat16
+        )
+    else:
+        assert isinstance(layer, Int4Linear) and layer.scales_and_zeros.dtype == torch.bfloat16

@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from redline.benchmark.prompts import ENGINE_SETS
+from redline.engine_config import INT4_GROUP_SIZES, WEIGHT_ONLY
 from redline.engine_flags import QUANTIZING, add_engine_args
 
 SERVE_FLAGS = ("--num-prompts", "--request-rate", "--max-concurrency", "--max-output-tokens", "--tokenizer")
@@ -74,6 +75,11 @@ def add_parser(sub) -> None:
     help = "the same as --modes compiled"
     engines.add_argument("--compile", dest="compiled_mode", action="store_true", help=help)
     engines.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    help = "redline's rows again with weight-only int4 / int8 (quantized on load) or gguf (a .gguf --model's "
+    help += "own tensors), e.g. gguf,int4,int8 (CPU)"
+    engines.add_argument("--quantization", type=_modes, default=[], help=help)
+    help = "with --quantization: weights per group (32 | 64 | 128)"
+    engines.add_argument("--quantization-group-size", type=int, default=32, help=help)
     help = "run each engine alone, one after another (one engine's memory at a time; the machine's drift "
     help += "then enters the ratios), not all loaded and taking turns prompt by prompt"
     engines.add_argument("--sequential", action="store_true", help=help)
@@ -87,7 +93,7 @@ def add_parser(sub) -> None:
 def _bench_model(args: argparse.Namespace) -> tuple[Path, tuple[Path, ...]]:
     """The model directory to bench, and the GGUF files llama.cpp runs: with a .gguf model and
     llama-cpp-python installed, the file and an F16 copy of its dequantized weights (cached beside the
-    import)."""
+    import), and with --quantization int8 a Q8_0 copy of them too."""
     from redline.dtypes import parse_dtype
     from redline.models.source import local_model
 
@@ -96,14 +102,17 @@ def _bench_model(args: argparse.Namespace) -> tuple[Path, tuple[Path, ...]]:
     if model.suffix != ".gguf":
         return model_dir, ()
     from redline.benchmark import llamacpp
-    from redline.models.gguf_f16 import write_f16_gguf
+    from redline.models.gguf_copy import write_gguf_copy
 
     if args.no_llama_cpp or not llamacpp.available():
         return model_dir, ()
-    f16 = model_dir.parent / "f16.gguf"
-    if not f16.is_file():
-        write_f16_gguf(model, f16.with_suffix(".partial")).replace(f16)
-    return model_dir, (model, f16)
+    copies = []
+    for kind in ("F16", "Q8_0") if "int8" in args.quantization else ("F16",):
+        copy = model_dir.parent / f"{kind.lower()}.gguf"
+        if not copy.is_file():
+            write_gguf_copy(model, copy.with_suffix(".partial"), kind=kind).replace(copy)
+        copies.append(copy)
+    return model_dir, (model, *copies)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -138,6 +147,13 @@ def _bench_engines(args: argparse.Namespace) -> tuple[str, dict]:
         raise ValueError(f"--dataset and {', '.join(SERVE_FLAGS)} go with --url; use --data with --model")
     if any(not 1 <= k <= 8 for k in args.num_draft_tokens):
         raise ValueError(f"--num-draft-tokens values must be in 1..8, got {args.num_draft_tokens}")
+    if set(args.quantization) - set(WEIGHT_ONLY):
+        raise ValueError(
+            f"--quantization takes {' and/or '.join(WEIGHT_ONLY)}, got {','.join(args.quantization)}"
+        )
+    if args.quantization_group_size not in INT4_GROUP_SIZES:
+        size = args.quantization_group_size
+        raise ValueError(f"--quantization-group-size {size}: one of {INT4_GROUP_SIZES}")
     modes = ["compiled"] if args.compiled_mode else args.modes
     if not modes or set(modes) - {"eager", "compiled"}:
         raise ValueError(f"--modes takes eager and/or compiled, got {','.join(modes)}")
@@ -153,7 +169,8 @@ def _bench_engines(args: argparse.Namespace) -> tuple[str, dict]:
         dtype=args.dtype, modes=tuple(m == "compiled" for m in modes), hf=not args.no_hf, data=args.data,
         gguf_files=gguf_files, tensor_parallel_size=args.tensor_parallel_size,
         expert_parallel=args.enable_expert_parallel, ngram=args.ngram, trees=tuple(args.tree),
-        sequential=args.sequential,
+        sequential=args.sequential, quantizations=tuple(args.quantization),
+        group_size=args.quantization_group_size,
     )  # fmt: skip
     result = {"machine": machine.describe()}
     result |= run_bench(model_dir, args.draft, args.num_draft_tokens, settings)

@@ -16,6 +16,7 @@ from redline.dtypes import parse_dtype
 from redline.engine.llm import LLM
 from redline.engine.request import Completion
 from redline.models.gguf_reader import GGUFError
+from redline.quant.int4 import Int4Linear
 from redline.runner.one_slot import fill_slot, release_slot
 from redline.sampling import SamplingParams
 from redline.speculative.tree import tree_mask
@@ -105,6 +106,19 @@ class LlamaCppContender:
             self.child = None
 
 
+def weight_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes of weights one batch-1 decode step of a dense model reads: every parameter once (a tied
+    embedding is read whole as the lm_head), except an untied input embedding, of which one row is read,
+    and torch's int4 layers' weights (quant/int4.py: buffers). (An MoE step reads only its routed experts:
+    this is an upper bound there.)"""
+    int4 = [b for m in model.modules() if isinstance(m, Int4Linear) for b in m.buffers()]
+    total = sum(p.numel() * p.element_size() for p in [*model.parameters(), *int4])
+    embedding = model.model.embed_tokens.weight
+    if embedding is not model.lm_head.weight:
+        total -= embedding.numel() * embedding.element_size()
+    return total
+
+
 @dataclass
 class RedlineContender:
     """redline at batch 1: plain, or speculating with `options` (run.speculation_of) at K drafts."""
@@ -129,6 +143,9 @@ class RedlineContender:
 
     def row(self, runs: list[Timed], prompts: list[list[int]]) -> dict:
         row = {"tensor_parallel_size": self.tensor_parallel_size}
+        if self.options.get("quantization"):  # its own roofline: the quantized weights' bytes
+            row |= {"quantization": self.options["quantization"],
+                    "weight_bytes": weight_bytes_per_token(self.llm.model)}  # fmt: skip
         k, completions = self.num_draft_tokens, [r.completion for r in runs]
         if not k:
             return row

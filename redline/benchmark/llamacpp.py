@@ -3,7 +3,7 @@ builds llama.cpp from source): batch 1, greedy, the same prompt token ids, the s
 fixed-length completions timed token by token like the other engines.
 
 Two files per GGUF model: the file itself (e.g. the shipped Q4_1) and an F16 copy written from its
-dequantized tensors (models/gguf_f16.py): the weights redline runs, in llama.cpp's best unquantized form.
+dequantized tensors (models/gguf_copy.py): the weights redline runs, in llama.cpp's best unquantized form.
 
 Each file runs in a child process (this file as a script, one JSON line per completion, in
 and out), alive from loading the file to the bench's last completion, so that it takes turns with the other

@@ -16,14 +16,16 @@ plain's on the same prompt in the same round. With `sequential` (or when the eng
 together, or run tensor-parallel: one process group at a time) each engine runs all its completions alone, one
 after another.
 
-redline runs eager, compiled, or both (`modes`); with a GGUF model and llama-cpp-python installed, llama.cpp
-runs the GGUF file and an F16 copy of its dequantized weights (llamacpp.py).
+redline runs eager, compiled, or both (`modes`), and its rows run again in each of `quantizations` (int4,
+int8 on load, gguf: a GGUF's own tensors; "redline int4", ...), each with its own weight bytes; with a GGUF
+model and llama-cpp-python installed, llama.cpp runs the GGUF file and an F16 copy of its dequantized
+weights (llamacpp.py), and with int8 rows a Q8_0 copy too.
 
 Roofline: a batch-1 decode step reads every weight of the target once, so no engine can produce more than
 bandwidth / weight bytes tokens per step-time; the bandwidth is measured in the same run, before the rounds
 and after them (machine.read_bandwidth_gbps; the bound takes their mean) and each run's roofline_pct is its
 median tokens/s against that bound (speculation can pass 100%: it produces several tokens per read of the
-weights). A llama.cpp row's bound is its own file's tensor bytes.
+weights). A llama.cpp row's bound is its own file's tensor bytes, a quantized redline row's its model's.
 """
 
 from __future__ import annotations
@@ -34,7 +36,13 @@ from statistics import median
 
 import torch
 
-from redline.benchmark.contenders import Contender, HFContender, LlamaCppContender, RedlineContender
+from redline.benchmark.contenders import (
+    Contender,
+    HFContender,
+    LlamaCppContender,
+    RedlineContender,
+    weight_bytes_per_token,
+)
 from redline.benchmark.machine import read_bandwidth_gbps
 from redline.benchmark.prompts import engine_prompts
 from redline.benchmark.report import paired_ratio, plain_of
@@ -60,6 +68,8 @@ class BenchSettings:
     ngram: tuple[int, int] | None = None  # n-gram lookup rows: prompt_lookup_min, prompt_lookup_max
     trees: tuple[tuple[int, int], ...] = ()  # draft tree rows beside the chain's: (topk, num_draft_tokens)
     sequential: bool = False  # each engine alone, one after another, not in turns
+    quantizations: tuple[str, ...] = ()  # redline's rows again in each: "int4", "int8", "gguf"
+    group_size: int = 32  # int4's and int8's weights per group
 
 
 def tree_at(k: int, tree: tuple[int, int]) -> tuple[int, int]:
@@ -102,22 +112,27 @@ def redline_rows(
 
 def contenders_of(model_dir: Path, draft: Path | None, ks: list[int], prompts: list[list[int]],
                   s: BenchSettings) -> list[Contender]:  # fmt: skip
-    """HF, llama.cpp on each GGUF file, then redline's rows in each mode."""
+    """HF, llama.cpp on each GGUF file, then redline's rows in each mode, in the model's dtype and then in
+    each of s.quantizations ("redline int4", "redline+eagle3 int4", ...)."""
     context = max(map(len, prompts)) + s.max_tokens + 16
     contenders: list[Contender] = [HFContender(model_dir, s.dtype)] if s.hf else []
     contenders += [LlamaCppContender(path, context, torch.get_num_threads()) for path in s.gguf_files]
     for compiled in s.modes:
-        for k, row_draft, lookup, tree in redline_rows(draft, ks, s):
-            engine, speculation = speculation_of(row_draft, lookup, tree) if k else ("redline", {})
-            options = dict(
-                dtype=s.dtype, max_num_seqs=1, max_model_len=context, num_speculative_tokens=k or 3,
-                tensor_parallel_size=s.tensor_parallel_size, enable_expert_parallel=s.expert_parallel,
-                enable_prefix_caching=False,  # every repeat prefills cold, as the other engines do
-                **speculation,
-            )  # fmt: skip
-            contenders.append(
-                RedlineContender(model_dir, engine, k or None, compiled, options, s.tensor_parallel_size)
-            )
+        for quantization in (None, *s.quantizations):
+            weights = {} if quantization is None else {"quantization": quantization,
+                                                       "quantization_group_size": s.group_size}  # fmt: skip
+            for k, row_draft, lookup, tree in redline_rows(draft, ks, s):
+                engine, speculation = speculation_of(row_draft, lookup, tree) if k else ("redline", {})
+                options = dict(
+                    dtype=s.dtype, max_num_seqs=1, max_model_len=context, num_speculative_tokens=k or 3,
+                    tensor_parallel_size=s.tensor_parallel_size, enable_expert_parallel=s.expert_parallel,
+                    enable_prefix_caching=False,  # every repeat prefills cold, as the other engines do
+                    **speculation, **weights,
+                )  # fmt: skip
+                engine += "" if quantization is None else f" {quantization}"
+                contenders.append(
+                    RedlineContender(model_dir, engine, k or None, compiled, options, s.tensor_parallel_size)
+                )
     return contenders
 
 
@@ -132,17 +147,6 @@ def summary(m: Measured, prompts: list[list[int]]) -> dict:
         "acceptance_length": None, "acceptance_rates": None, "draft_share": None, "rates": rates,
         "tokens": [r.tokens for r in m.runs[-len(prompts):]], **m.row,
     }  # fmt: skip
-
-
-def weight_bytes_per_token(model: torch.nn.Module) -> int:
-    """Bytes of weights one batch-1 decode step of a dense model reads: every parameter once (a tied
-    embedding is read whole as the lm_head), except an untied input embedding, of which one row is read.
-    (An MoE step reads only its routed experts: this is an upper bound there.)"""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    embedding = model.model.embed_tokens.weight
-    if embedding is not model.lm_head.weight:
-        total -= embedding.numel() * embedding.element_size()
-    return total
 
 
 def model_bytes(model_dir: Path, dtype: str) -> tuple[int, int]:
@@ -175,10 +179,15 @@ def run_bench(model_dir: Path, draft: Path | None, ks: list[int], s: BenchSettin
     measured, failures = in_turns(contenders, prompts, s.max_tokens, s.repeats, together)
     bound = roofline(weight_bytes, before_gbps)
     runs = [summary(m, prompts) for m in measured]
-    reference = next(r["tokens"] for r in runs if r["engine"] == "redline")  # the first redline plain run
+    # the first redline plain run, and of each quantization's rows the first plain one in it
+    reference = next(r["tokens"] for r in runs if r["engine"] == "redline")
+    references = {
+        q: next(r["tokens"] for r in runs if r["engine"] == f"redline {q}") for q in s.quantizations
+    }
     hf = next((r for r in runs if r["engine"] == "hf"), None)
     for run in runs:
-        run["tokens_equal_plain"] = run.pop("tokens") == reference  # greedy: every engine should agree
+        want = references.get(run.get("quantization"), reference)
+        run["tokens_equal_plain"] = run.pop("tokens") == want  # greedy: every engine should agree
         run["x_plain"] = paired_ratio(run, plain_of(runs, run))
         run["x_hf"] = paired_ratio(run, hf) if hf else None
         bytes_per_step = run.get("weight_bytes", bound["weight_bytes"])

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from redline.kernels.attention_core import attention_by_reductions, step_mask, tree_visible
 from redline.kernels.packed_layout import is_packed, out_features
 from redline.kernels.paged_kv import gather_blocks
+from redline.kernels.quantized_layout import dequantize, is_quantized
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
@@ -127,10 +128,15 @@ def load() -> bool:
     return True
 
 
-def few_rows_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [M, K], [N, K] / packed -> [M, N]
-    """x @ weight^T; a packed weight (packed_layout.py) takes any number of rows."""
+def few_rows_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [M, K], weight -> [M, N]
+    """x @ weight^T for a weight [N, K], packed (packed_layout.py) or quantized (quantized_layout.py); packed
+    and quantized weights take any number of rows."""
+    if is_quantized(weight) and x.dtype != torch.bfloat16:  # a model computing in another dtype
+        return F.linear(x, dequantize(weight).to(x.dtype))
     if is_packed(weight) and x.dtype != torch.bfloat16:
         raise ValueError(f"a packed bf16 weight multiplies bf16 rows, not {x.dtype}")
+    if is_quantized(weight):
+        return torch.ops.redline_cpu.few_rows_bf16(x.contiguous(), weight)
     if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:  # a layer kept in another dtype
         return F.linear(x, weight)
     return torch.ops.redline_cpu.few_rows_bf16(x.contiguous(), weight.contiguous())

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from redline.kernels.quantized_layout import is_quantized, rows_of
+
 PACK_ROWS = 32  # csrc/kernels.h PACK_ROWS
 
 
@@ -41,13 +43,18 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:  # [N / 32, K / 2, 32, 2] -> [
     return packed.transpose(1, 2).reshape(blocks * rows, pairs * 2)
 
 
-def out_features(weight: torch.Tensor) -> int:  # N of a weight [N, K] or packed
-    return weight.shape[0] * weight.shape[2] if is_packed(weight) else weight.shape[0]
+def out_features(weight: torch.Tensor) -> int:  # N of a weight [N, K], packed or quantized
+    """Example: packed [2, 288, 32, 2] has 64; quantized (quantized_layout.py) [2, 18, 640] has 2 * 32."""
+    if is_packed(weight):
+        return weight.shape[0] * weight.shape[2]
+    return weight.shape[0] * PACK_ROWS if weight.dim() == 3 else weight.shape[0]
 
 
-def embedding_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # [V, H] or packed, [...]
-    """table[ids] ([..., H]) of a table [V, H] or packed. Example: id 37 of a packed table is
-    packed[1, :, 5] ([H / 2, 2]: its pairs of features), flattened."""
+def embedding_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # [V, H], packed or quantized
+    """table[ids] ([..., H]) of a table [V, H], packed, or quantized (bf16 rows: quantized_layout.rows_of).
+    Example: id 37 of a packed table is packed[1, :, 5] ([H / 2, 2]: its pairs of features), flattened."""
+    if is_quantized(table):
+        return rows_of(table, ids)
     if not is_packed(table):
         return nn.functional.embedding(ids, table)
     flat = ids.reshape(-1)

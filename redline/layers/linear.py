@@ -32,6 +32,7 @@ from torch import nn
 from redline.kernels import cpu_ops
 from redline.kernels.attention_core import STEP_QUERIES
 from redline.kernels.packed_layout import PACK_ROWS, is_packed, pack, packable
+from redline.kernels.quantized_layout import dequantize, is_quantized
 
 FEW_ROWS = 8
 FewRows = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [M, K], weight [N, K]) -> [M, N]
@@ -64,7 +65,7 @@ WHOLE_STEP_ROWS = 8 * STEP_QUERIES  # 8 slots of a K = 8 verify step
 
 def product(
     x: torch.Tensor,  # [M, K]: the rows of sequences of `tokens` tokens each
-    weight: torch.Tensor,  # [N, K], or packed [N / 32, K / 2, 32, 2] (kernels/packed_layout.py)
+    weight: torch.Tensor,  # [N, K], packed [N / 32, K / 2, 32, 2] (kernels/packed_layout.py) or quantized
     few_rows: FewRows | None,
     tokens: int,
     bias: torch.Tensor | None = None,  # [N]
@@ -74,12 +75,16 @@ def product(
     STEP_QUERIES tokens a sequence) of up to WHOLE_STEP_ROWS rows, so a verify step's B x (K + 1) rows
     equal B x (K + 1) one-row products bit for bit. Past that the kernel's row loop is slower than
     F.linear's blocked GEMM (4x at 72 rows), and larger batches take F.linear. Prompts take F.linear. A
-    packed weight takes the packed kernel (cpu_ops.few_rows_bf16) at any number of rows. On the 2-D x:
+    packed weight takes the packed kernel (cpu_ops.few_rows_bf16) at any number of rows, and so does a
+    quantized one (kernels/quantized_layout.py) where few_rows is that kernel; elsewhere a quantized weight
+    is multiplied dequantized (a machine without AVX-512 BF16, a model in another dtype). On the 2-D x:
     torch's CPU bf16 matmul on a strided 3-D slice such as the prefill's last position hidden[:, -1:]
     ([1, 1, 576], strides (T*576, 576, 1)) took ~200 ms, not ~8 ms."""
-    if is_packed(weight):  # the packed kernel takes any number of rows
+    if is_packed(weight) or (is_quantized(weight) and few_rows is cpu_ops.few_rows_bf16):  # any rows
         y = cpu_ops.few_rows_bf16(x, weight)
         return y if bias is None else y + bias
+    if is_quantized(weight):
+        return F.linear(x, dequantize(weight).to(x.dtype), bias)
     rows = x.shape[0]
     whole_step = few_rows in ROW_INDEPENDENT and tokens <= STEP_QUERIES and rows <= WHOLE_STEP_ROWS
     if few_rows is None or (rows > FEW_ROWS and not whole_step):
@@ -96,13 +101,20 @@ def tokens_per_sequence(x: torch.Tensor) -> int:  # x [B, T, features] or [rows,
 def fuse_weights(linears: Sequence[nn.Module], packed: bool = False) -> torch.Tensor | None:
     """After loading: the linears' weights become views of one [sum of out_features, in] weight (no extra
     memory), returned to be multiplied once (q/k/v, gate/up); None, changing nothing, when any is not a
-    plain Linear (quantization replaced it). packed: the one weight is packed (kernels/packed_layout.py)
-    where it and each part can be, and the parts are views of its blocks of PACK_ROWS rows."""
+    plain Linear (quantization replaced it) or the parts are quantized in different layouts. packed: the
+    one weight is packed (kernels/packed_layout.py) where it and each part can be, and the parts are views
+    of its blocks of PACK_ROWS rows; quantized parts (kernels/quantized_layout.py, in blocks of PACK_ROWS
+    rows too) are joined block by block."""
     if any(type(p) is not Linear for p in linears):
         return None
+    layouts = {(p.weight.dtype, tuple(p.weight.shape[1:])) for p in linears}
+    if len(layouts) > 1 and any(is_quantized(p.weight) for p in linears):
+        return None  # parts in different layouts: a GGUF's Q4_K q and k beside its Q6_K v
     fused = torch.cat([p.weight.detach() for p in linears])
     rows = [p.out_features for p in linears]  # of each part, in rows of fused
-    if packed and packable(fused) and all(n % PACK_ROWS == 0 for n in rows):
+    if is_quantized(fused):
+        rows = [n // PACK_ROWS for n in rows]
+    elif packed and packable(fused) and all(n % PACK_ROWS == 0 for n in rows):
         fused, rows = pack(fused), [n // PACK_ROWS for n in rows]  # in blocks of PACK_ROWS rows
     start = 0
     for p, n in zip(linears, rows, strict=True):

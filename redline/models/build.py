@@ -3,17 +3,26 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from pathlib import Path
 
 import torch
 
 from redline.config import ModelConfig
+from redline.engine_config import WEIGHT_ONLY
 from redline.layers.backends import TORCH, Backends
 from redline.models.eagle3 import Eagle3Draft, aux_layers_of, load_draft
 from redline.models.expert_layout import per_expert_part, rank_part
 from redline.models.llama import LlamaForCausalLM
 from redline.models.loader import Part, load_weights
-from redline.models.quantize import HIGH_PRECISION, QuantizeOnLoad, fp8_skeleton
+from redline.models.quantize import (
+    HIGH_PRECISION,
+    QuantizeOnLoad,
+    WeightOnly,
+    WeightSource,
+    fp8_skeleton,
+    quantize_head,
+)
 from redline.parallel import sharding
 from redline.parallel.group import SINGLE, TensorParallel
 from redline.quant.fp8 import scaled_mm_available
@@ -57,8 +66,8 @@ def _config_and_scheme(
     model_dir: str | Path, quantization: str | None = None
 ) -> tuple[ModelConfig, Fp8Scheme | None]:
     """The whole model's config and the FP8 scheme of its checkpoint (None: high precision)."""
-    if quantization not in (None, "fp8", "int4"):
-        raise ValueError(f"unknown quantization {quantization!r}; choose fp8 or int4")
+    if quantization not in (None, "fp8", *WEIGHT_ONLY):
+        raise ValueError(f"unknown quantization {quantization!r}; choose fp8, int4, int8 or gguf")
     config = ModelConfig.from_dir(model_dir)
     return config, fp8_scheme(config.raw, str(Path(model_dir) / "config.json"))
 
@@ -95,24 +104,28 @@ def load_target(
     tp: TensorParallel = SINGLE,
     backends: Backends = TORCH,
     aux_layers: tuple[int, ...] = (),
-    group_size: int = 32,  # int4's
+    group_size: int = 32,  # int4's and int8's
 ) -> LlamaForCausalLM:
     """With tp.size > 1 this process builds and reads only rank tp.rank's shard (parallel/sharding.py).
     quantization "fp8" quantizes a high-precision checkpoint while loading (each decoder linear and
     expert module as soon as its weights are read, so the high-precision model never sits in memory whole),
-    "int4" the decoder's linears to int4 weight-only in groups of group_size (CPU; quant/int4.py);
+    "int4" / "int8" the decoder's linears to weight-only codes in groups of group_size (CPU: the C++
+    kernel's layout where the backends pack weights, kernels/quantized_layout.py, and the head int8; else
+    quant/int4.py for int4), "gguf" a .gguf import's decoder and head as the file holds them
+    (models/gguf_blocks.py);
     FP8 checkpoints load as FP8 whatever it says. backends: what runs in the layers (layers/backends.py);
     aux_layers: the hidden states an EAGLE-3 draft reads (models/eagle3.aux_layers_of)."""
     whole, scheme = _config_and_scheme(model_dir, quantization)
     scaled_mm = scaled_mm_available(torch.device(device))
     model = skeleton(model_dir, tp, scaled_mm, backends, aux_layers)
-    hook = None
-    if scheme is None and quantization in ("fp8", "int4"):
-        int4_group = group_size if quantization == "int4" else None
-        hook = QuantizeOnLoad(model, Fp8Scheme(tuple(HIGH_PRECISION)), scaled_mm, int4_group, dtype)
-    elif scheme is not None and quantization == "int4":
+    hook, weight_only = None, None
+    if scheme is None and quantization in ("fp8", *WEIGHT_ONLY):
+        if quantization in WEIGHT_ONLY:
+            weight_only = _weight_source(model_dir, whole, quantization, group_size, backends, dtype, tp)
+        hook = QuantizeOnLoad(model, Fp8Scheme(tuple(HIGH_PRECISION)), scaled_mm, weight_only)
+    elif scheme is not None and quantization in WEIGHT_ONLY:
         raise ValueError(
-            f"{model_dir} holds FP8 weights: int4 quantization takes a high-precision checkpoint"
+            f"{model_dir} holds FP8 weights: {quantization} quantization takes a high-precision checkpoint"
         )
     load_weights(
         model,
@@ -125,8 +138,37 @@ def load_target(
         shard_of=lambda key: sharding.shard_of(whole, key, tp.rank, tp.size, tp.expert_parallel),
     )
     model.finish_loading()
+    if weight_only is not None:
+        quantize_head(model, weight_only.head)
+        weight_only.report()
     model.model.rotary.materialize(torch.device(device))
     return model.eval()
+
+
+def _weight_source(
+    model_dir: str | Path,
+    config: ModelConfig,
+    quantization: str,
+    group_size: int,
+    backends: Backends,
+    dtype: torch.dtype,
+    tp: TensorParallel,
+) -> WeightSource:
+    """int4 / int8 on load (WeightOnly), or a .gguf's own tensors (models/gguf_blocks.py; one process: its
+    tensors are whole), in the C++ kernel's layout where the backends pack bf16 weights (`blocks`). Without
+    it int8 and gguf weights are multiplied dequantized, a warned slow path."""
+    blocks = backends.packed_weights and dtype == torch.bfloat16
+    if not blocks and quantization in ("int8", "gguf"):
+        why = f"redline: {quantization} weights without the AVX-512 BF16 kernels (or in {dtype}) are "
+        warnings.warn(why + "dequantized at every product: slower than unquantized", stacklevel=3)
+    if quantization != "gguf":
+        return WeightOnly(8 if quantization == "int8" else 4, group_size, blocks, dtype)
+    if tp.size > 1:
+        raise ValueError("quantization 'gguf' runs in one process (no tensor parallelism)")
+    from redline.models.gguf import gguf_source
+    from redline.models.gguf_blocks import GgufWeights
+
+    return GgufWeights(gguf_source(Path(model_dir)), config, blocks, dtype)
 
 
 def load_with_draft(
@@ -137,7 +179,7 @@ def load_with_draft(
     quantization: str | None = None,
     tp: TensorParallel = SINGLE,
     backends: Backends = TORCH,
-    group_size: int = 32,  # int4's
+    group_size: int = 32,  # int4's and int8's
 ) -> tuple[LlamaForCausalLM, Eagle3Draft]:
     """The target built with the hidden states the draft reads (aux_layers_of), then the draft over it (in
     high precision whatever the target's quantization: it reads its own weights' dtype)."""

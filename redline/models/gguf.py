@@ -28,7 +28,7 @@ from redline.models.gguf_tokenizer import tokenizer_config, tokenizer_json
 from redline.models.llama import LlamaForCausalLM
 from redline.models.shards import DEFAULT_SHARD_BYTES, ShardWriter
 
-__all__ = ["GGUFError", "gguf_model_dir", "import_dtype", "import_gguf", "smollm2_gguf"]
+__all__ = ["GGUFError", "gguf_model_dir", "gguf_source", "import_dtype", "import_gguf", "smollm2_gguf"]
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -92,6 +92,7 @@ def import_gguf(
     _write_json(
         out_dir / "tokenizer_config.json", tokenizer_config(gguf_file, config["max_position_embeddings"])
     )
+    _record_source(out_dir, gguf_file.path)
     return out_dir
 
 
@@ -123,6 +124,7 @@ def gguf_model_dir(gguf_path: Path, dtype: torch.dtype = torch.bfloat16, progres
         raise FileNotFoundError(f"GGUF file {path} does not exist")
     final = cache_root() / "gguf" / f"{path.stem}-{_file_key(path)}" / str(dtype).removeprefix("torch.")
     if final.is_dir():
+        _record_source(final, path)
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
@@ -135,6 +137,34 @@ def gguf_model_dir(gguf_path: Path, dtype: torch.dtype = torch.bfloat16, progres
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return final
+
+
+SOURCE = "gguf_source.json"  # in an import: the file it came from, which quantization "gguf" reads
+
+
+def _record_source(model_dir: Path, gguf_path: Path) -> None:
+    """Written into every import (and into a cached one from before it was): {"gguf": absolute path,
+    "key": _file_key of the file then}."""
+    record = model_dir / SOURCE
+    if not record.is_file():
+        partial = record.with_suffix(f".{os.getpid()}.partial")
+        _write_json(partial, {"gguf": str(gguf_path.resolve()), "key": _file_key(gguf_path)})
+        partial.replace(record)
+
+
+def gguf_source(model_dir: Path) -> Path:
+    """The .gguf file an imported directory came from, unchanged since; ValueError for a directory that is
+    not an import, or whose file has changed (its tensors would not match the import's others)."""
+    record = Path(model_dir) / SOURCE
+    if not record.is_file():
+        raise ValueError(f"quantization 'gguf' runs a .gguf file's own tensors; {model_dir} is not a .gguf")
+    source = json.loads(record.read_text())
+    path = Path(source["gguf"])
+    if not path.is_file():
+        raise FileNotFoundError(f"{model_dir} was imported from {path}, which no longer exists")
+    if _file_key(path) != source["key"]:
+        raise ValueError(f"{path} has changed since {model_dir} was imported from it; import it again")
+    return path
 
 
 def smollm2_gguf() -> Path | None:

@@ -14,6 +14,7 @@ from torch import nn
 
 from redline.config import ModelConfig
 from redline.kernels.attention_core import STEP_QUERIES
+from redline.kernels.quantized_layout import is_quantized
 from redline.layers.attention import Attention, AttentionBatch, TreeMask
 from redline.layers.backends import TORCH, Backends, DenseLayer, backend_name
 from redline.layers.linear import WHOLE_STEP_ROWS, Linear, stored
@@ -56,8 +57,9 @@ class DecoderLayer(nn.Module):
 
     def keep_one_call(self) -> None:
         """After loading and fusing the projections: the backends' one-call decode step where it computes this
-        layer: dense, rotary, no q/k norm or query temperature, unsharded, fused contiguous bf16 weights, no
-        biases (the MoE and NoPE layers of Llama 4 keep their ops). Else (and until then) op by op."""
+        layer: dense, rotary, no q/k norm or query temperature, unsharded, fused contiguous bf16 or quantized
+        weights (kernels/quantized_layout.py), no biases (the MoE and NoPE layers of Llama 4 keep their
+        ops). Else (and until then) op by op."""
         attention, mlp = self.self_attn, self.mlp
         kept = (
             self._dense_layer is not None
@@ -74,7 +76,10 @@ class DecoderLayer(nn.Module):
             and self.input_layernorm.eps == self.post_attention_layernorm.eps
             and all(type(p) is Linear and p.bias is None for p in (attention.o_proj, mlp.down_proj))
             # after the checks above, which make these weights tensors
-            and all(w.dtype == torch.bfloat16 and w.is_contiguous() for w in self._one_call_weights())
+            and all(
+                (w.dtype == torch.bfloat16 or is_quantized(w)) and w.is_contiguous()
+                for w in self._one_call_weights()
+            )
         )
         self.one_call = self._dense_layer if kept else None
 

@@ -1,14 +1,19 @@
 """Swapping a model's decoder linears (and Llama 4 experts) for FP8 modules: the empty modules an FP8
 checkpoint loads into, or quantized copies of loaded high-precision modules (all at once with `to_fp8`,
-or each as soon as its weights are read with `QuantizeOnLoad`, which also makes int4 linears)."""
+or each as soon as its weights are read with `QuantizeOnLoad`, which also makes int4 and int8 weight-only
+linears)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
 
+from redline.kernels import quantized_layout
+from redline.kernels.packed_layout import is_packed, unpack
 from redline.layers.linear import Linear
 from redline.layers.moe import Experts
 from redline.quant.fp8 import Fp8Linear, Kind
@@ -75,25 +80,96 @@ def quantized_weights(model: nn.Module, scheme: Fp8Scheme, experts: bool = True)
     return weights
 
 
+@dataclass(frozen=True)
+class WeightOnly:
+    """Weight-only quantization on load: `bits` (4 or 8) in groups of `group` along the input dimension.
+    blocks: the C++ kernel's layout (kernels/quantized_layout.py, held by the Linear itself, which the
+    backends' product and one-call layer take), and the head in int8 once loaded (quantize_head); else int4
+    as quant/int4.py's Int4Linear (torch's int4 kernel) and int8 in the layout, multiplied by its
+    dequantized weight (no AVX-512 BF16 kernel), the head as it is."""
+
+    bits: int
+    group: int
+    blocks: bool
+    dtype: torch.dtype  # the model's: Int4Linear computes in it
+
+    def check(self, linear: Linear, name: str) -> None:
+        if self.blocks or self.bits == 8:
+            quantized_layout.check_shape(linear.in_features, linear.out_features, self.group, name)
+        else:
+            check_int4_shape(linear.in_features, linear.out_features, self.group, name)
+
+    def head(self, head: torch.Tensor) -> torch.Tensor | None:  # the loaded head: [V, H] or packed
+        """In the layout, int8 (HEAD_BITS) in groups of `group`: with blocks, where its shape fits."""
+        weight = unpack(head) if is_packed(head) else head.detach()
+        if not self.blocks or weight.shape[0] % quantized_layout.BLOCK_ROWS or weight.shape[1] % self.group:
+            return None
+        return quantized_layout.quantize(weight, HEAD_BITS, self.group)
+
+    def report(self) -> None:
+        """Nothing to report: every weight is rounded by the same rule."""
+
+    def quantized(self, linear: Linear, name: str) -> nn.Module:
+        if not self.blocks and self.bits == 4:
+            return Int4Linear.from_linear(linear, self.group, name, self.dtype)
+        if linear.weight.device.type != "cpu":
+            raise ValueError(f"int{self.bits} weights run on CPU, not {linear.weight.device.type}")
+        weight = quantized_layout.quantize(linear.weight.detach(), self.bits, self.group)
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+        if linear.bias is not None:
+            linear.bias = nn.Parameter(linear.bias.detach().to(self.dtype), requires_grad=False)
+        return linear
+
+
+HEAD_BITS = 8  # a weight-only model's head: int8, as llama.cpp's 4-bit files keep theirs (Q8_0, Q6_K)
+
+
+class WeightSource(Protocol):
+    """What QuantizeOnLoad asks of a weight-only scheme (WeightOnly, gguf_blocks.GgufWeights)."""
+
+    def check(self, linear: Linear, name: str) -> None: ...  # before any weight is read
+
+    def quantized(self, linear: Linear, name: str) -> nn.Module: ...  # once its weights are in
+
+    def head(self, head: torch.Tensor) -> torch.Tensor | None: ...  # after loading (quantize_head)
+
+    def report(self) -> None: ...  # once loaded
+
+
+def quantize_head(model: nn.Module, quantized_of: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
+    """After loading: the head (and the embedding table tied to it, whose lookup reads the rows back:
+    quantized_layout.rows_of) replaced by quantized_of(its weight, [V, H] or packed) where that is not
+    None (WeightOnly.head: int8 as the SmolLM2 Q4_1 GGUF holds its tied table, Q8_0; GgufWeights.head: the
+    file's own)."""
+    head = model.lm_head.weight
+    weight = quantized_of(head)
+    if weight is None:
+        return
+    quantized = nn.Parameter(weight, requires_grad=False)
+    for module in (model.lm_head, model.model.embed_tokens):
+        if module.weight is head:
+            module.weight = quantized
+
+
 class QuantizeOnLoad:
     """A loader hook (models/loader.py LoadHook) that swaps each decoder linear and expert module for
     its quantized copy as soon as all its tensors are loaded, so a high-precision checkpoint never sits in
     memory whole: the peak is the quantized model plus one module in high precision. Weights to quantize
     load in their on-disk precision (an fp32 checkpoint is not rounded to bf16 first), the rest in the
-    model's dtype. int4_group: int4 weight-only linears in groups of that size computing in `dtype` (the
-    model's; quant/int4.py; experts stay as they are, every shape checked before a weight is read), else
-    FP8."""
+    model's dtype. weight_only: int4 / int8 weight-only linears, or a GGUF's own (a WeightSource; experts
+    stay as they are, every shape checked before a weight is read), else FP8."""
 
-    def __init__(self, model: nn.Module, scheme: Fp8Scheme, scaled_mm: bool, int4_group: int | None = None,
-                 dtype: torch.dtype | None = None) -> None:  # fmt: skip
-        self._scaled_mm, self._int4_group, self._dtype = scaled_mm, int4_group, dtype
-        experts = int4_group is None
+    def __init__(
+        self, model: nn.Module, scheme: Fp8Scheme, scaled_mm: bool, weight_only: WeightSource | None = None
+    ) -> None:
+        self._scaled_mm, self._weight_only = scaled_mm, weight_only
+        experts = weight_only is None
         self._weights = quantized_weights(model, scheme, experts)
         # module name -> (parent, attribute, the module's tensors not loaded yet)
         self._pending: dict[str, tuple[nn.Module, str, set[str]]] = {}
         for parent, name, child, full in _targets(model, scheme, experts=experts):
-            if int4_group is not None:
-                check_int4_shape(child.in_features, child.out_features, int4_group, full)
+            if weight_only is not None:
+                weight_only.check(child, full)
             self._pending[full] = (parent, name, {f"{full}.{key}" for key, _ in child.named_parameters()})
 
     def dtype(self, module_key: str, on_disk: torch.dtype, default: torch.dtype) -> torch.dtype:
@@ -108,8 +184,8 @@ class QuantizeOnLoad:
         if not pending:
             del self._pending[name]
             module = getattr(parent, attribute)
-            if self._int4_group is not None:
-                quantized = Int4Linear.from_linear(module, self._int4_group, name, self._dtype)
+            if self._weight_only is not None:
+                quantized = self._weight_only.quantized(module, name)
             else:
                 quantized = _quantized(module, self._scaled_mm)
             setattr(parent, attribute, quantized)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from redline.engine_config import INT4_GROUP_SIZES
+from redline.kernels.quantized_layout import check_shape
 
 INNER_K_TILES = 1  # the CPU kernel's packing parameter (the CUDA kernel's tiles do not apply)
 OUT_MULTIPLE = 16  # the kernel's output features come in blocks of 16
@@ -113,11 +113,4 @@ class Int4Linear(nn.Module):
 def check_int4_shape(in_features: int, out_features: int, group: int, name: str) -> None:
     """ValueError naming the layer when the kernel cannot take it: inputs in whole groups, outputs in
     blocks of OUT_MULTIPLE."""
-    if in_features % group:
-        fits = [g for g in INT4_GROUP_SIZES if in_features % g == 0] or "none"
-        raise ValueError(f"quantization_group_size {group} does not divide {name}'s {in_features} inputs "
-                         f"(a tensor-parallel rank's share if sharded); sizes that do: {fits}")  # fmt: skip
-    if out_features % OUT_MULTIPLE:
-        raise ValueError(
-            f"int4: {name} has {out_features} outputs; the kernel takes multiples of {OUT_MULTIPLE}"
-        )
+    check_shape(in_features, out_features, group, name, OUT_MULTIPLE, "torch's int4")

@@ -59,8 +59,8 @@ class ModelRunner:
             raise ValueError(f"draft length {shapes.k} with {'no' if drafters == 0 else 'a'} draft or n-gram "
                              "lookup")  # fmt: skip
         self.model, self.draft, self.shapes = model, draft, shapes
-        param = next(model.parameters())
-        self.device, kv_dtype = param.device, kv_cache_dtype or param.dtype
+        norm = model.model.norm.weight  # the model's dtype (a quantized table or head is int8 or uint8)
+        self.device, kv_dtype = norm.device, kv_cache_dtype or norm.dtype
         configs = [model.config] + ([draft.config.layer] if draft is not None else [])
         self.block_bytes = sum(
             2 * c.num_layers * c.num_kv_heads * BLOCK * c.head_dim * kv_dtype.itemsize for c in configs

@@ -97,7 +97,7 @@ void add(const uint16_t* a, const uint16_t* b, int64_t n, at::BFloat16* out) {
 
 const uint16_t* bits(const at::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); }
 
-// The weight w as the layer's [rows, cols], [N, K] or packed (kernels.h weight_of)
+// The weight w as the layer's [rows, cols]: [N, K], packed or quantized (kernels.h weight_of)
 redline::Weight checked_weight(const at::Tensor& w, int64_t rows, int64_t cols, const char* name) {
   const redline::Weight weight = redline::weight_of(w, "dense_layer_bf16");
   TORCH_CHECK(weight.N == rows && weight.K == cols, "dense_layer_bf16: ", name, " must be a [", rows, ", ",
@@ -108,7 +108,7 @@ redline::Weight checked_weight(const at::Tensor& w, int64_t rows, int64_t cols, 
 // x [B, T, H]; k_cache, v_cache [blocks, Hkv, BLOCK, D] (written at the positions: a token tree's rows at
 // their slots); positions [B, T]; tables [B, n] int32;
 // cos, sin [B, T, 1, D / 2] fp32; qkv [(Hq + 2 Hkv) D, H]; o [H, Hq D];
-// gate_up [2I, H]; down [H, I] (each [N, K] or packed); norms [H]. Returns the layer's output [B, T, H].
+// gate_up [2I, H]; down [H, I] (each [N, K], packed or quantized); norms [H]. Returns the output [B, T, H].
 at::Tensor dense_layer_bf16(const at::Tensor& x_in, at::Tensor& k_cache, at::Tensor& v_cache,
                             const at::Tensor& positions_in, const at::Tensor& tables_in, int64_t kv_len,
                             int64_t chunk, const at::Tensor& cos_in, const at::Tensor& sin_in,

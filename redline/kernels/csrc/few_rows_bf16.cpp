@@ -87,7 +87,7 @@ void few_rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_
 
 namespace {
 
-// x [M, K]; w [N, K] or packed (kernels.h weight_of) -> [M, N]
+// x [M, K]; w [N, K], packed or quantized (kernels.h weight_of) -> [M, N]
 at::Tensor few_rows_bf16(const at::Tensor& x, const at::Tensor& w_in) {
   const redline::Weight w = redline::weight_of(w_in, "few_rows_bf16");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == w.K, "few_rows_bf16: x [M, K] for a weight of K = ", w.K);

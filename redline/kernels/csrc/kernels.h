@@ -20,32 +20,53 @@ constexpr int64_t PACK_ROWS = 32;
 // y[M, N] = x[M, K] @ w^T for w packed, each row's result independent of M (packed_rows_bf16.cpp)
 void packed_rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, at::BFloat16* y);
 
-// A weight of y = x @ w^T for N outputs of K inputs: [N, K] row-major, or packed
+// A weight of y = x @ w^T for N outputs of K inputs: bf16 [N, K] row-major or packed, or quantized in
+// groups of `group` along k (bits 4 or 8: quantized_rows_bf16.cpp)
 struct Weight {
-  const uint16_t* data;
+  const void* data;
   int64_t N, K;
   bool packed;
+  int bits = 16;
+  int64_t group = 0;
 };
 
-// The weight a contiguous bf16 tensor holds: [N, K], or [N / PACK_ROWS, K / 2, PACK_ROWS, 2] packed.
+// The weight a contiguous CPU tensor holds: bf16 [N, K], or [N / PACK_ROWS, K / 2, PACK_ROWS, 2] packed;
+// uint8 (int4) or int8 [N / PACK_ROWS, K / G, G * PACK_ROWS * bits / 8 + 4 * PACK_ROWS] quantized
+// (kernels/quantized_layout.py).
 inline Weight weight_of(const at::Tensor& w, const char* op) {
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.is_cpu(), op,
-              ": weights must be contiguous bf16 CPU tensors");
+  TORCH_CHECK(w.is_contiguous() && w.is_cpu(), op, ": weights must be contiguous CPU tensors");
+  const auto type = w.scalar_type();
+  if (type == at::kByte || type == at::kChar) {
+    const int bits = type == at::kByte ? 4 : 8;
+    const int64_t scales = 4 * PACK_ROWS, per_weight = PACK_ROWS * bits / 8;  // bytes of a group: G * that
+    TORCH_CHECK(w.dim() == 3 && w.size(2) > scales && (w.size(2) - scales) % (2 * per_weight) == 0, op,
+                ": a quantized weight is [N / ", PACK_ROWS, ", K / G, G * ", per_weight, " + ", scales,
+                "], not ", w.sizes());
+    const int64_t group = (w.size(2) - scales) / per_weight;
+    return {w.data_ptr(), w.size(0) * PACK_ROWS, w.size(1) * group, false, bits, group};
+  }
+  TORCH_CHECK(type == at::kBFloat16, op, ": weights are bf16, int4 (uint8) or int8, not ", type);
   if (w.dim() == 4) {
     TORCH_CHECK(w.size(2) == PACK_ROWS && w.size(3) == 2, op, ": a packed weight is [N / ", PACK_ROWS,
                 ", K / 2, ", PACK_ROWS, ", 2], not ", w.sizes());
-    return {bits(w), w.size(0) * PACK_ROWS, w.size(1) * 2, true};
+    return {w.data_ptr(), w.size(0) * PACK_ROWS, w.size(1) * 2, true};
   }
   TORCH_CHECK(w.dim() == 2, op, ": a weight is [N, K] or packed, not ", w.sizes());
-  return {bits(w), w.size(0), w.size(1), false};
+  return {w.data_ptr(), w.size(0), w.size(1), false};
 }
+
+// y[M, w.N] = x[M, w.K] @ w^T for a quantized w (quantized_rows_bf16.cpp)
+void quantized_rows(const uint16_t* x, int64_t M, const Weight& w, at::BFloat16* y);
 
 // y[M, w.N] = x[M, w.K] @ w^T, each row's result independent of M
 inline void product(const uint16_t* x, int64_t M, const Weight& w, at::BFloat16* y) {
-  if (w.packed)
-    packed_rows(x, M, w.K, w.data, w.N, y);
+  const auto* data = static_cast<const uint16_t*>(w.data);
+  if (w.bits != 16)
+    quantized_rows(x, M, w, y);
+  else if (w.packed)
+    packed_rows(x, M, w.K, data, w.N, y);
   else
-    few_rows(x, M, w.K, w.data, w.N, y);
+    few_rows(x, M, w.K, data, w.N, y);
 }
 
 // A paged KV cache, k and v [blocks, kv_heads, block_size, head_dim], and the rows' block tables [B, per_row]

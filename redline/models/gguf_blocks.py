@@ -1,0 +1,157 @@
+"""A GGUF file's quantized tensors in the CPU kernel's layout (kernels/quantized_layout.py), for
+`quantization="gguf"`: the file's own weights, read from its blocks, never as a bf16 copy.
+
+| GGUF type                      | layout     | from the block                      |
+|--------------------------------|------------|-------------------------------------|
+| Q4_0 (d, 32 nibbles)           | int4 g32   | scale d, zero -8 d: exact           |
+| Q4_1 (d, m, 32 nibbles)        | int4 g32   | scale d, zero m: exact              |
+| Q8_0 (d, 32 int8)              | int8 g32   | scale d, zero 0: exact              |
+| any other quantized type       | int4 g32 up to 5 bits a weight, else int8 g32: re-quantized from the    |
+|                                | dequantized values (quantized_layout.quantize), its error reported    |
+| F32, F16, BF16                 | not quantized: loaded as the model's dtype                            |
+
+A block of 32 weights of one row is one group, fp16 d and m are the layout's fp16 scale and zero, and the
+nibbles of Q4_0 / Q4_1 are in ggml's order: byte j holds weight j in its low nibble and weight j + 16 in
+its high one. Example, Q4_1 block bytes [d, m, 0x21, ...]: weight 0 is 1 * d + m, weight 16 is 2 * d + m.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from torch import nn
+
+from redline.config import ModelConfig
+from redline.kernels import quantized_layout
+from redline.models.gguf_reader import GGUFFile
+from redline.models.gguf_tensors import dequantized, hf_name, hf_shape, unpermute_qk
+
+Q = gguf.GGMLQuantizationType
+GROUP = 32  # weights a block: Q4_0's, Q4_1's, Q8_0's
+HIGH_PRECISION = (Q.F32, Q.F16, Q.BF16)
+
+
+@dataclass
+class Requantized:
+    """What re-quantizing a tensor cost, against the GGUF's own dequantized values."""
+
+    name: str
+    kind: str  # "Q6_K -> int8 g32"
+    rms_error: float  # of the weights, relative to their rms
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.kind}, rms error {100 * self.rms_error:.2f}% of the weights' rms"
+
+
+def fp16(blocks: np.ndarray, offset: int) -> torch.Tensor:  # [rows, blocks, bytes] -> [rows, blocks] fp32
+    values = np.ascontiguousarray(blocks[..., offset : offset + 2]).view(np.float16)[..., 0]
+    return torch.from_numpy(values).float()
+
+
+def exact_codes(tensor: gguf.ReaderTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(q [N, K] int32, scale, zero [N, K / 32], bits) of a Q4_0, Q4_1 or Q8_0 tensor, rows as the file's."""
+    n, k = hf_shape(tensor)
+    blocks = np.asarray(tensor.data).reshape(n, k // GROUP, -1)  # [rows, blocks, block bytes]
+    scale = fp16(blocks, 0)
+    if tensor.tensor_type == Q.Q8_0:
+        q = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8)).to(torch.int32)
+        return q.reshape(n, k), scale, torch.zeros_like(scale), 8
+    start = 2 if tensor.tensor_type == Q.Q4_0 else 4
+    nibbles = torch.from_numpy(np.ascontiguousarray(blocks[..., start:])).to(torch.int32)  # [N, blocks, 16]
+    q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).reshape(n, k)  # weights j and j + 16 of byte j
+    zero = -8 * scale if tensor.tensor_type == Q.Q4_0 else fp16(blocks, 2)
+    return q, scale, zero, 4
+
+
+def natural_bits(kind: Q) -> int:
+    """The layout a quantized type loads into: int4 up to 5 bits a weight with its scales (Q4_0 4.5, Q4_1 5,
+    Q4_K 4.5, Q3_K, Q2_K, IQ4), else int8 (Q5_0 5.5, Q5_K 5.5, Q6_K 6.56, Q8_0 8.5)."""
+    values, size = gguf.GGML_QUANT_SIZES[kind]
+    return 4 if 8 * size / values <= 5 else 8
+
+
+def gguf_weight(
+    tensor: gguf.ReaderTensor, heads: int | None = None, bits: int | None = None
+) -> tuple[torch.Tensor | None, Requantized | None]:
+    """The tensor in the kernel's layout (its q_proj / k_proj rows back in HF order for `heads` heads) of
+    `bits` (default: its natural_bits), and what re-quantizing cost where it was not exact; (None, None)
+    for a high-precision tensor, or one whose rows or width the layout cannot take."""
+    shape, kind = hf_shape(tensor), tensor.tensor_type
+    if kind in HIGH_PRECISION or len(shape) != 2:
+        return None, None
+    if shape[0] % quantized_layout.BLOCK_ROWS or shape[1] % GROUP:
+        return None, None
+    bits = bits or natural_bits(kind)
+
+    def in_hf_order(t: torch.Tensor) -> torch.Tensor:  # [N, ...] GGUF rows -> HF rows
+        return t if heads is None else unpermute_qk(t, heads)
+
+    if kind in (Q.Q4_0, Q.Q4_1, Q.Q8_0) and bits == natural_bits(kind):
+        q, scale, zero, bits = exact_codes(tensor)
+        return quantized_layout.to_blocks(*(in_hf_order(t) for t in (q, scale, zero)), bits), None
+    values = in_hf_order(dequantized(tensor))
+    weight = quantized_layout.quantize(values, bits, GROUP)
+    error = (quantized_layout.dequantize(weight) - values).pow(2).mean().sqrt() / values.pow(2).mean().sqrt()
+    return weight, Requantized(tensor.name, f"{kind.name} -> int{bits} g{GROUP}", float(error))
+
+
+# multiplied as one weight each: the parts of (module, parts)
+FUSED = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
+
+
+class GgufWeights:
+    """quantization "gguf" (models/quantize.QuantizeOnLoad's weight source): each decoder linear's weight,
+    once loaded from the import, replaced by the file's own tensor in the kernel's layout (gguf_weight), and
+    on the kernel's path (`blocks`) the head by the file's output (or tied token_embd) tensor; what was
+    re-quantized is reported once. The parts of a fused weight take one layout, the widest any needs (a
+    Q4_K_M file's Q6_K v_proj makes its q and k int8), so that every layer keeps its one-call step. A
+    tensor left as it is (F16, a shape the layout cannot take) is cast to the model's dtype."""
+
+    def __init__(self, path: Path, config: ModelConfig, blocks: bool, dtype: torch.dtype) -> None:
+        self.file, self.blocks, self.dtype = GGUFFile(path), blocks, dtype
+        self.heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
+        self.names = {hf_name(name): name for name in self.file.tensors}  # HF name -> GGUF name
+        self.bits: dict[str, int] = {}  # HF module name -> the layout its fused weight takes
+        for layer, (module, parts) in itertools.product(range(config.num_layers), FUSED):
+            names = [f"model.layers.{layer}.{module}.{part}" for part in parts]
+            kinds = [self.file.tensors[self.names[f"{n}.weight"]].tensor_type for n in names]
+            widest = max((natural_bits(k) for k in kinds if k not in HIGH_PRECISION), default=None)
+            self.bits |= {n: widest for n in names if widest is not None}
+        self.requantized: list[Requantized] = []
+
+    def check(self, linear: nn.Module, name: str) -> None:
+        """Nothing to refuse: a tensor the layout cannot take loads as the model's dtype."""
+
+    def _weight(self, hf: str, heads: int | None = None, bits: int | None = None) -> torch.Tensor | None:
+        weight, cost = gguf_weight(self.file.tensors[self.names[hf]], heads, bits)
+        self.requantized += [cost] if cost is not None else []
+        return weight
+
+    def quantized(self, linear: nn.Module, name: str) -> nn.Module:
+        heads = self.heads.get(name.rpartition(".")[2])
+        weight = self._weight(f"{name}.weight", heads, self.bits.get(name))
+        kept = linear.weight.detach().to(self.dtype)  # loaded in its on-disk dtype (QuantizeOnLoad.dtype)
+        linear.weight = nn.Parameter(kept if weight is None else weight, requires_grad=False)
+        return linear
+
+    def head(self, head: torch.Tensor) -> torch.Tensor | None:  # the loaded head (unused: the file's is read)
+        if not self.blocks:  # its lookup and product would dequantize the whole table at every call
+            return None
+        tied = "lm_head.weight" not in self.names
+        return self._weight("model.embed_tokens.weight" if tied else "lm_head.weight")
+
+    def report(self) -> None:
+        """One line per kind of re-quantization on stderr, with its largest error."""
+        worst: dict[str, Requantized] = {}
+        for cost in self.requantized:
+            if cost.kind not in worst or cost.rms_error > worst[cost.kind].rms_error:
+                worst[cost.kind] = cost
+        for kind, cost in worst.items():
+            count = sum(c.kind == kind for c in self.requantized)
+            print(f"redline: {count} GGUF tensors re-quantized {kind}; the worst, {cost}", file=sys.stderr)

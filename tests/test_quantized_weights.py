@@ -1,0 +1,185 @@
+"""int4 / int8 weight-only in the C++ kernel's layout (kernels/quantized_layout.py,
+csrc/quantized_rows_bf16.cpp): the layout's bytes, the rounding's bound, the kernel against its
+dequantized reference at SmolLM2's sizes with each row independent of the others, and models quantized on
+load: their dequantized twin's log-probabilities, greedy tokens of compiled and EAGLE-3 steps equal to
+plain ones, and the dequantized product where the kernel is not used."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_hf_model, llama3_hf_config, save_hf_model
+
+from redline import LLM, SamplingParams
+from redline.kernels import cpu_ops
+from redline.kernels.quantized_layout import (
+    dequantize,
+    from_blocks,
+    is_quantized,
+    quantize,
+    rows_of,
+    to_blocks,
+)
+from redline.models.quantize import QUANTIZED
+from redline.train.random_init import write_random_draft
+
+kernels = pytest.mark.skipif(not cpu_ops.load(), reason="needs AVX-512 BF16, a C++ compiler and ninja")
+CODES = {4: (0, 16), 8: (-128, 128)}
+
+
+def random_blocks(bits: int, n: int, k: int, group: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """Fresh random codes, scales and zeros (exact in fp16) and their layout."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(*CODES[bits], (n, k), generator=g, dtype=torch.int32)
+    scale = torch.rand(n, k // group, generator=g).half().float()
+    zero = torch.randn(n, k // group, generator=g).half().float()
+    return q, scale, zero, to_blocks(q, scale, zero, bits)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_layout_holds_each_code_where_the_doc_says(bits):
+    """The module doc's example (int4, G = 32: byte 640 + 3 * 32 + 5 of block 0 holds q[2, 39] and
+    q[18, 39]; int8: the same pair's second half), its shape and dtype; from_blocks inverts it, and rows_of
+    reads rows back as dequantize does."""
+    q, scale, zero, blocks = random_blocks(bits, 64, 128, 32, seed=bits)
+    group_bytes = 32 * 32 * bits // 8 + 128
+    assert blocks.shape == (2, 4, group_bytes) and blocks.dtype == (torch.uint8 if bits == 4 else torch.int8)
+    raw = blocks.view(torch.uint8)
+    if bits == 4:
+        byte = int(raw[0, 1, 3 * 32 + 5])
+        assert (byte & 15, byte >> 4) == (q[2, 39], q[18, 39])
+    else:
+        assert int(blocks[0, 1, 3 * 64 + 5]) == q[2, 39] and int(blocks[0, 1, 3 * 64 + 32 + 5]) == q[18, 39]
+    fp16 = raw[1, 2, -128:].contiguous().view(torch.float16).float()  # block 1, group 2: rows 32 .. 63
+    assert torch.equal(fp16[:32], scale[32:, 2]) and torch.equal(fp16[32:], zero[32:, 2])
+    back = from_blocks(blocks)
+    assert all(torch.equal(a, b) for a, b in zip(back, (q, scale, zero), strict=True))
+    ids = torch.randint(0, 64, (3, 5))  # a tied table's lookup
+    assert torch.equal(rows_of(blocks, ids), dequantize(blocks)[ids].bfloat16())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_a_weight_reads_back_within_half_a_step(bits, group):
+    """Fresh random weights, and a narrow group far from zero: every weight within scale / 2 of its
+    read-back, plus fp16's rounding of the zero (2^-11 relative) and of the scale over 15 steps (int4) or
+    127 (int8); codes in range."""
+    narrow = torch.linspace(0.50, 0.52, 32).repeat(32, 4)  # [32, 128]
+    for w in (torch.randn(64, 256) * 0.05, narrow):
+        q, scale, zero = from_blocks(quantize(w, bits, group))
+        back = dequantize(quantize(w, bits, group))
+        step, shift = (t.repeat_interleave(group, dim=1) for t in (scale, zero.abs()))
+        steps = 15 if bits == 4 else 127
+        bound = step / 2 + 2**-11 * (steps * step + shift) + 1e-7
+        assert ((back - w).abs() <= bound).all()
+        assert int(q.min()) >= (0 if bits == 4 else -127) and int(q.max()) <= (15 if bits == 4 else 127)
+
+
+@kernels
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n, k, group", [(960, 576, 32), (576, 1536, 64), (3072, 576, 32), (64, 256, 128)])
+def test_the_kernel_computes_the_dequantized_product_each_row_alone(bits, n, k, group):
+    """SmolLM2's fused q/k/v, down and gate/up shapes: 1 to 130 rows (past the kernel's 64-row chunk) against
+    x @ dequantized^T in fp32, within 2^-8 of the largest output (the output rounded to bf16, 2^-9, and
+    fp32 sums of exact products); and every row equals its one-row product, bit for bit."""
+    *_, blocks = random_blocks(bits, n, k, group, seed=n + k + bits)
+    weight = dequantize(blocks)
+    for rows in (1, 3, 4, 37, 130):
+        x = torch.randn(rows, k).bfloat16()
+        want = x.float() @ weight.t()
+        got = cpu_ops.few_rows_bf16(x, blocks)
+        assert (got.float() - want).abs().max() <= 2**-8 * want.abs().max()
+        if rows in (4, 37, 130):
+            alone = torch.cat([cpu_ops.few_rows_bf16(x[i : i + 1], blocks) for i in range(rows)])
+            assert torch.equal(alone, got)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory, tokenizer_dir):
+    """head_dim 32: the one-call layer's (a multiple of 32); the head tied to the embedding table."""
+    root = tmp_path_factory.mktemp("quantized")
+    config = llama3_hf_config(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                              tie_word_embeddings=True)  # fmt: skip
+    return save_hf_model(build_hf_model(config, seed=7), root / "t", tokenizer_dir)
+
+
+def dequantized_twin(target, bits: int, group: int, head: bool) -> LLM:
+    """An fp32 model whose decoder linears hold the quantized weights read back, and its head (tied to the
+    embedding table) the int8 one's if `head`."""
+    twin = LLM(target, dtype="float32", max_batch=2, max_seq_len=512)
+    for name, module in twin.model.named_modules():
+        if name.rpartition(".")[2] in QUANTIZED and isinstance(module, torch.nn.Linear):
+            module.weight.data.copy_(dequantize(quantize(module.weight.detach(), bits, group)))
+    if head:
+        twin.model.lm_head.weight.data.copy_(
+            dequantize(quantize(twin.model.lm_head.weight.detach(), 8, group))
+        )
+    return twin
+
+
+@kernels
+@pytest.mark.parametrize("bits, group", [(4, 32), (8, 64)])
+def test_a_bf16_model_quantized_on_load_is_its_dequantized_twin(target, bits, group):
+    """Every decoder linear in the layout, every layer in one call, the tied head and table in int8 (the
+    lookup reads its rows back: quantized_layout.rows_of); next-token log-probabilities over a
+    300-token text as close to the fp32 twin's as bf16 is to fp32 without quantization (activations
+    rounded to bf16 at each op; the kernel's weights are exact, bf16's are rounded): within 1.5x bf16's own
+    largest difference."""
+    llm = LLM(target, dtype="bfloat16", max_batch=2, max_seq_len=512, quantization=f"int{bits}",
+              quantization_group_size=group)  # fmt: skip
+    layers = llm.model.model.layers
+    assert all(layer.one_call is cpu_ops.dense_layer_bf16 for layer in layers)
+    assert all(is_quantized(layer.mlp.gate_up_weight) for layer in layers)
+    assert is_quantized(llm.model.lm_head.weight) and llm.model.lm_head.weight.dtype == torch.int8  # tied
+    tokens = torch.randint(5, 384, (300,), generator=torch.Generator().manual_seed(bits)).tolist()
+    twin = dequantized_twin(target, bits, group, head=True)
+    error = (llm.log_probs(tokens).float() - twin.log_probs(tokens)).abs().max()
+    plain = (LLM(target, dtype="bfloat16", max_batch=1, max_seq_len=512), LLM(target, dtype="float32"))
+    bf16_error = (plain[0].log_probs(tokens).float() - plain[1].log_probs(tokens)).abs().max()
+    print(f"int{bits}: {error:.4f} from its fp32 twin; bf16 {bf16_error:.4f} from fp32")
+    assert error <= 1.5 * bf16_error
+
+
+@kernels
+@pytest.mark.parametrize("bits", [4, 8])
+def test_compiled_and_eagle3_steps_decode_what_plain_steps_do(target, tmp_path, bits):
+    """bf16 on the kernel: EAGLE-3 K = 3 greedy equals plain greedy, eager and compiled (every bucket the
+    compiled step warms up), at batch 1 and 2: verify rows are one-token steps bit for bit."""
+    kw = dict(dtype="bfloat16", max_batch=2, max_seq_len=256, quantization=f"int{bits}")
+    draft = write_random_draft(target, tmp_path / "d", draft_vocab=200)
+    spec = dict(draft=draft, num_draft_tokens=3, adaptive_draft_length=False)
+    prompts = [torch.randint(5, 384, (n,)).tolist() for n in (9, 30)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    for compile in (False, True):
+        want = [c.token_ids for c in LLM(target, compile=compile, **kw).generate(prompts, params)]
+        fast = LLM(target, compile=compile, **spec, **kw)
+        assert [c.token_ids for c in fast.generate(prompts, params)] == want
+        assert [c.token_ids for c in fast.generate(prompts[:1], params)] == want[:1]
+
+
+def test_int8_without_the_kernel_multiplies_the_dequantized_weights(target):
+    """fp32 (which the kernel does not take): int8 linears hold the layout and compute what the twin does,
+    within fp32 error; the greedy tokens are the twin's."""
+    llm = LLM(target, dtype="float32", max_batch=2, max_seq_len=512, quantization="int8")
+    assert is_quantized(llm.model.model.layers[0].self_attn.q_proj.weight)
+    twin = dequantized_twin(target, 8, 32, head=False)
+    tokens = torch.randint(5, 384, (200,), generator=torch.Generator().manual_seed(8)).tolist()
+    assert torch.allclose(llm.log_probs(tokens), twin.log_probs(tokens), atol=1e-4)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    assert [c.token_ids for c in llm.generate([tokens[:12]], params)] == [
+        c.token_ids for c in twin.generate([tokens[:12]], params)
+    ]
+
+
+def test_shapes_and_options_the_layout_cannot_take_are_refused_before_loading(
+    target, tokenizer_dir, tmp_path
+):
+    """Outputs not in blocks of 32 rows (k/v of 48 here), and int8 on fp8 weights or CUDA, name the
+    problem."""
+    config = llama3_hf_config(hidden_size=96, num_attention_heads=4, intermediate_size=128)
+    odd = save_hf_model(build_hf_model(config), tmp_path / "o", tokenizer_dir)
+    with pytest.raises(ValueError, match=r"k_proj has 48 outputs; quantized weights take multiples of 32"):
+        LLM(odd, dtype="float32", quantization="int8")
+    for bad in (dict(dtype="fp8"), dict(device="cuda")):
+        with pytest.raises(ValueError, match="int8 quantization runs on CPU, from high-precision weights"):
+            LLM(target, quantization="int8", **bad)
