@@ -21,7 +21,7 @@ from redline.train.random_init import write_random_draft
 COMMANDS = {
     "generate": (["generate", "--model", "m", "--prompt", "x"], ONE_SLOT),
     "serve": (["serve", "m"], {}),
-    "bench": (["bench", "--model", "m"], {}),
+    "bench": (["bench", "--model", "m"], {"quantization": []}),  # bench's: quantized rows beside the others
     "eval": (["eval", "--model", "m", "--data", "humaneval"], {}),
     "info": (["info", "--model", "m"], {}),
 }
