@@ -143,8 +143,9 @@ def test_a_bf16_model_quantized_on_load_is_its_dequantized_twin(target, bits, gr
 @kernels
 @pytest.mark.parametrize("bits", [4, 8])
 def test_compiled_and_eagle3_steps_decode_what_plain_steps_do(target, tmp_path, bits):
-    """bf16 on the kernel: EAGLE-3 K = 3 greedy equals plain greedy, eager and compiled (every bucket the
-    compiled step warms up), at batch 1 and 2: verify rows are one-token steps bit for bit."""
+    """bf16 on the kernel: EAGLE-3 K = 3 (its draft quantized too) greedy equals plain greedy, eager and
+    compiled (every bucket the compiled step warms up), at batch 1 and 2: verify rows are one-token steps
+    bit for bit."""
     kw = dict(dtype="bfloat16", max_batch=2, max_seq_len=256, quantization=f"int{bits}")
     draft = write_random_draft(target, tmp_path / "d", draft_vocab=200)
     spec = dict(draft=draft, num_draft_tokens=3, adaptive_draft_length=False)
@@ -153,6 +154,7 @@ def test_compiled_and_eagle3_steps_decode_what_plain_steps_do(target, tmp_path, 
     for compile in (False, True):
         want = [c.token_ids for c in LLM(target, compile=compile, **kw).generate(prompts, params)]
         fast = LLM(target, compile=compile, **spec, **kw)
+        assert is_quantized(fast.runner.draft.fc.weight)  # the draft quantized with its target
         assert [c.token_ids for c in fast.generate(prompts, params)] == want
         assert [c.token_ids for c in fast.generate(prompts[:1], params)] == want[:1]
 

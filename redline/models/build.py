@@ -181,8 +181,13 @@ def load_with_draft(
     backends: Backends = TORCH,
     group_size: int = 32,  # int4's and int8's
 ) -> tuple[LlamaForCausalLM, Eagle3Draft]:
-    """The target built with the hidden states the draft reads (aux_layers_of), then the draft over it (in
-    high precision whatever the target's quantization: it reads its own weights' dtype)."""
+    """The target built with the hidden states the draft reads (aux_layers_of), then the draft over it. A
+    weight-only target on the C++ kernel's path (int4, int8, gguf) gets a draft quantized the same way
+    (gguf: int4), its own head int8 (models/quantize.quantize_draft): a bf16 draft's step cost about
+    what an int4 target's does. Otherwise the draft stays in high precision."""
     aux = aux_layers_of(draft_dir, ModelConfig.from_dir(target_dir).num_layers)
     target = load_target(target_dir, dtype, device, quantization, tp, backends, aux, group_size)
-    return target, load_draft(draft_dir, target, dtype, device, backends)
+    draft_weights = None
+    if quantization in WEIGHT_ONLY and backends.packed_weights and dtype == torch.bfloat16:
+        draft_weights = WeightOnly(8 if quantization == "int8" else 4, group_size, True, dtype)
+    return target, load_draft(draft_dir, target, dtype, device, backends, draft_weights)

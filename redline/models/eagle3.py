@@ -32,6 +32,7 @@ from redline.layers.packed import pack_weights
 from redline.layers.rotary import Rotary
 from redline.models.llama import KVLayer, LlamaForCausalLM
 from redline.models.loader import CheckpointError, checkpoint_files, load_weights, save_weights
+from redline.models.quantize import WeightOnly, quantize_draft
 from redline.parallel.group import SINGLE, TensorParallel
 from redline.parallel.sharding import Shard, local_config, shard_of, vocab_shard
 from redline.parallel.vocab import (
@@ -162,8 +163,13 @@ class Eagle3Draft(nn.Module):
         table = self.embed_tokens if self.embed_tokens is not None else self._target_embed[0]
         return table(tokens)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """What it computes in: its norm's dtype (its linears may hold quantized codes)."""
+        return self.norm.weight.dtype
+
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:  # [..., 3 * target_hidden] -> [..., H]
-        return self.fc(aux.to(self.fc.weight.dtype))
+        return self.fc(aux.to(self.dtype))
 
     def forward(
         self,
@@ -230,10 +236,12 @@ def load_draft(
     dtype: torch.dtype,
     device: str | torch.device = "cpu",
     backends: Backends = TORCH,
+    weight_only: WeightOnly | None = None,
 ) -> Eagle3Draft:
     """Loads an EAGLE-3 checkpoint for `target` (built with the draft's aux layers, aux_layers_of), reading
     the target's embeddings (and lm_head when the draft ships none): safetensors, or pytorch_model.bin
-    (sharded or not) as the original EAGLE-3 releases ship (yuhuili/EAGLE3-*)."""
+    (sharded or not) as the original EAGLE-3 releases ship (yuhuili/EAGLE3-*). weight_only: its linears
+    quantized once loaded (models/quantize.quantize_draft)."""
     config, tp = Eagle3Config.from_dir(draft_dir), target.tp
     keys = {_rename_draft_key(k) for k in checkpoint_files(Path(draft_dir))}
     own_embeddings, own_head = "embed_tokens.weight" in keys, "lm_head.weight" in keys
@@ -254,6 +262,8 @@ def load_draft(
         draft, draft_dir, dtype=dtype, device=device, rename=_rename_draft_key, optional=optional,
         shard_of=shard,
     )  # fmt: skip
+    if weight_only is not None:  # before the target's head is shared: that one is the target's to quantize
+        quantize_draft(draft, weight_only)
     if not own_head:  # the target's head (its vocabulary is the draft's: checked), or its block of it
         draft.lm_head.weight = target.lm_head.weight
     if draft.d2t.is_meta:  # absent: the identity vocabulary (draft_vocab_size == vocab_size was checked)

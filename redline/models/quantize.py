@@ -5,6 +5,7 @@ linears)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -149,6 +150,19 @@ def quantize_head(model: nn.Module, quantized_of: Callable[[torch.Tensor], torch
     for module in (model.lm_head, model.model.embed_tokens):
         if module.weight is head:
             module.weight = quantized
+
+
+def quantize_draft(draft: nn.Module, weight_only: WeightOnly) -> None:
+    """Once an EAGLE-3 draft's weights are in, before they are fused: fc and its layer's linears quantized as
+    `weight_only` says, its own head as int8 (HEAD_BITS), each where its shape fits the layout (else it
+    stays); a head the draft does not ship (still on the meta device: the target's, shared later) is left."""
+    head = dataclasses.replace(weight_only, bits=HEAD_BITS)
+    for name, module in draft.named_modules():
+        if type(module) is not Linear or module.weight.is_meta:
+            continue
+        rows, width = module.weight.shape
+        if rows % quantized_layout.BLOCK_ROWS == 0 and width % weight_only.group == 0:
+            (head if name == "lm_head" else weight_only).quantized(module, name)
 
 
 class QuantizeOnLoad:

@@ -48,7 +48,7 @@ class DeferredKeys:
             return None
         fc = draft.fc
         return cls(
-            aux=torch.zeros(slots, DEFERRED, fc.in_features, dtype=fc.weight.dtype, device=device),
+            aux=torch.zeros(slots, DEFERRED, fc.in_features, dtype=draft.dtype, device=device),
             tokens=torch.zeros(slots, DEFERRED, dtype=torch.int64, device=device),
             positions=torch.full((slots, DEFERRED), -1, dtype=torch.int64, device=device),
         )
