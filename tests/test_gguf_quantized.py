@@ -17,7 +17,7 @@ from redline import LLM, SamplingParams
 from redline.data import sharegpt
 from redline.demo import SHIPPED_DRAFT
 from redline.kernels import cpu_ops
-from redline.kernels.quantized_layout import dequantize, is_quantized
+from redline.kernels.quantized_layout import dequantize, is_quantized, quantize
 from redline.models.gguf import gguf_model_dir, import_gguf, smollm2_gguf
 from redline.models.gguf_blocks import GgufWeights, gguf_weight
 from redline.models.gguf_reader import GGUFFile
@@ -158,3 +158,21 @@ def test_gguf_quantization_needs_a_gguf(tmp_path, tokenizer_dir):
     target = save_hf_model(build_hf_model(llama3_hf_config()), tmp_path / "t", tokenizer_dir)
     with pytest.raises(ValueError, match=f"quantization 'gguf' runs a .gguf file's own tensors; {target}"):
         LLM(target, quantization="gguf")
+
+
+@kernels
+@smollm2
+def test_smollm2_int8_on_load_at_real_size_is_its_dequantized_twin():
+    """int8 on load of SmolLM2's bf16 import (every layer in one call, the head int8): 1,000 ShareGPT
+    tokens' log-probabilities as close to an fp32 twin holding the read-back weights as bf16 is to fp32."""
+    path = smollm2_gguf()
+    imported = gguf_model_dir(path, torch.bfloat16, progress=False)
+    llm = LLM(imported, dtype="bfloat16", max_batch=1, max_seq_len=1200, quantization="int8")
+    assert all(layer.one_call is cpu_ops.dense_layer_bf16 for layer in llm.model.model.layers)
+    fp32 = gguf_model_dir(path, torch.float32, progress=False)
+    twin = LLM(fp32, dtype="float32", max_batch=1, max_seq_len=1200)
+    for name, module in twin.model.named_modules():
+        if name.rpartition(".")[2] in (*QUANTIZED, "lm_head"):  # the head is the tied table
+            module.weight.data.copy_(dequantize(quantize(module.weight.detach().bfloat16(), 8, 32)))
+    text = " ".join(m["content"] for c in sharegpt.conversations("held_out")[:20] for m in c.messages)
+    close_as_bf16(llm, twin, fp32, llm.tokenizer.encode(text, add_special_tokens=False)[:1000])
