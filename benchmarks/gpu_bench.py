@@ -1,7 +1,7 @@
 """Batch-1 decode step on a Llama-3.1-8B-shaped random-weight model: BF16 and FP8 against the memory
 bandwidth roofline, the EAGLE-3 K=3 step against the plain step, CUDA graph against eager; and prefill
-attention at 4,000 tokens (the Triton kernel against SDPA over the cache slice) and a 4,000-token
-prefill through the whole model.
+attention at 4,000 tokens (the Triton kernel against SDPA over the cache slice), a 4,000-token prefill
+through the whole model, and the int4 / int8 weight-only kernel against bf16 on the 8B's gate/up product.
 
     python benchmarks/gpu_bench.py --out OUTDIR [--shape 8b|tiny] [--device cuda] [--peak-gbps 4800]
 
@@ -14,6 +14,7 @@ runs the same code on CPU in seconds (tests/test_gpu_check.py), the Triton kerne
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -168,6 +169,31 @@ def long_prefill_bench(model: LlamaForCausalLM, device: torch.device) -> dict:
     return result
 
 
+def weight_only_bench(config: ModelConfig, device: torch.device) -> dict:
+    """The 8B's fused gate/up product ([2I, H]) at 1, 4 and 16 rows: bf16 F.linear against the int4 and
+    int8 weight-only kernel (kernels/weight_only_mm.py, groups of 128), in weight GB/s read."""
+    from redline.kernels.weight_only_mm import weight_only_mm
+    from redline.quant.weight_only_gpu import GpuWeightOnlyLinear
+
+    linear = torch.nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False, device=device)
+    linear = linear.bfloat16()
+    result: dict = {"shape": list(linear.weight.shape)}
+    quantized = {bits: GpuWeightOnlyLinear.from_linear(linear, bits, 128, torch.bfloat16) for bits in (4, 8)}
+    for rows in (1, 4, 16):
+        x = torch.randn(rows, config.hidden_size, device=device, dtype=torch.bfloat16)
+        product = functools.partial(torch.nn.functional.linear, x, linear.weight)
+        seconds = seconds_per_call(product, device, repeats=20)
+        result[f"bf16_m{rows}_gbps"] = linear.weight.nbytes / seconds / 1e9
+        for bits, q in quantized.items():
+            held = q.codes.nbytes + q.scales.nbytes + q.zeros.nbytes
+            run = functools.partial(weight_only_mm, x, q.codes, q.scales, q.zeros)
+            seconds_q = seconds_per_call(run, device, repeats=20)
+            result[f"int{bits}_m{rows}_gbps"] = held / seconds_q / 1e9
+            result[f"int{bits}_m{rows}_speedup_vs_bf16"] = seconds / seconds_q
+    print(f"weight-only products: {json.dumps(result)}")
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -202,6 +228,7 @@ def main() -> None:
     record("bf16 eagle3 tree 4x8 step", tree, graphs, bf16_bytes)  # one CUDA graph, the 8 rows' mask inside
     del plain, spec, tree
     prefill_attention = prefill_attention_bench(config, device)
+    weight_only = weight_only_bench(config, device) if device.type == "cuda" and HAS_TRITON else None
     long_prefill = long_prefill_bench(model, device)
     del model, draft
     if graphs and torch.cuda.get_device_capability(device) >= (9, 0):  # PDL: Hopper or newer
@@ -231,6 +258,7 @@ def main() -> None:
         "results": results,
         "prefill_attention": prefill_attention,
         "prefill_bf16_model": long_prefill,
+        "weight_only": weight_only,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_bench.json").write_text(json.dumps(summary, indent=2))

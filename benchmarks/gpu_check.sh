@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One prepared check for a GPU machine (an H200 with torch 2.11 / triton 3.6, no network), within
-# 8 minutes: the GPU tests (Triton kernels compiled, FP8, CUDA graphs, every slot filled to the context
-# limit with every step shape captured at start-up, a 4,000-token prompt through the CUDA path against
-# HF, MoE prefill), then benchmarks/gpu_bench.py on a Llama-3.1-8B-shaped random model (decode, and
-# prefill attention and a whole prefill at 4,000 tokens). Writes gpu_check.log, gpu_tests.xml and
-# gpu_bench.json to OUTDIR.
+# 8 minutes: the GPU tests (Triton kernels compiled, the int4 / int8 weight-only kernel among them, FP8,
+# CUDA graphs, every slot filled to the context limit with every step shape captured at start-up, a
+# 4,000-token prompt through the CUDA path against HF, MoE prefill), then benchmarks/gpu_bench.py on a
+# Llama-3.1-8B-shaped random model (decode, prefill attention and a whole prefill at 4,000 tokens, the
+# weight-only products against bf16). Writes gpu_check.log, gpu_tests.xml and gpu_bench.json to OUTDIR.
 #
 #   bash benchmarks/gpu_check.sh OUTDIR
 set -uo pipefail

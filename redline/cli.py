@@ -199,11 +199,12 @@ def cmd_import_gguf(args: argparse.Namespace) -> int:
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    from redline.models.fp8_checkpoint import quantize_checkpoint
+    from redline.models.quantized_checkpoint import quantize_checkpoint
 
-    counts = quantize_checkpoint(args.model, args.out, max_shard_bytes=int(args.max_shard_gb * 10**9))
-    fp8, total = counts["fp8_parameters"], counts["parameters"]
-    print(f"wrote {args.out}: {fp8:,} of {total:,} parameters in FP8 ({fp8 / total:.0%})")
+    shard_bytes = int(args.max_shard_gb * 10**9)
+    counts = quantize_checkpoint(args.model, args.out, shard_bytes, args.scheme, args.group_size)
+    done, total = counts["quantized_parameters"], counts["parameters"]
+    print(f"wrote {args.out}: {done:,} of {total:,} parameters in {args.scheme} ({done / total:.0%})")
     return 0
 
 
@@ -242,9 +243,15 @@ def _add_model_tools(sub) -> None:
     gg.add_argument("--max-shard-gb", type=float, default=None, help="safetensors shard limit in GB")
     gg.set_defaults(func=cmd_import_gguf)
 
-    q = sub.add_parser("quantize", help="FP8 weights (per-channel scales), compressed-tensors layout")
+    help = "a quantized copy in the compressed-tensors layout (vLLM, transformers and redline read it)"
+    q = sub.add_parser("quantize", help=help)
     q.add_argument("--model", required=True, type=Path)
     q.add_argument("--out", required=True, type=Path)
+    help = "fp8: e4m3 weights, per-channel scales, dynamic per-token activations; int4 / int8: W4A16 / W8A16"
+    q.add_argument("--scheme", choices=("fp8", "int4", "int8"), default="fp8", help=help)
+    help = "int4 / int8: weights a scale covers (default: int4 128, or 64 / 32 where 128 does not fit; int8: "
+    help += "one per output channel)"
+    q.add_argument("--group-size", type=int, choices=(32, 64, 128), default=None, help=help)
     help = "safetensors shard limit in GB (HF's default: 5)"
     q.add_argument("--max-shard-gb", type=float, default=5.0, help=help)
     q.set_defaults(func=cmd_quantize)

@@ -6,8 +6,7 @@ its config from these field definitions: `LLM(model, **options)` through `Engine
 command line through `engine_flags.add_engine_args` (the flags are generated from the fields below, so
 `redline generate`, `serve`, `bench` and `eval` cannot drift apart).
 
-    EngineConfig.create("DIR", max_num_seqs=8, enable_prefix_caching=False)
-    EngineConfig.create("DIR", max_batch=8, prefix_caching=False)          # the same, redline's names
+    EngineConfig.create("DIR", max_num_seqs=8, enable_prefix_caching=False)  # = max_batch, prefix_caching
 
 Values that depend on the model or the machine (dtype "auto" or unset, the context window, where a hub id
 lives) are resolved when the engine is built (models/source.py), never here: it reads no file."""
@@ -82,8 +81,9 @@ class LoadConfig:
                  f"{', '.join(DTYPES)}, fp8, auto")  # fmt: skip
         _require(self.quantization in (None, *QUANTIZATIONS), f"quantization {self.quantization!r}?")
         _require(self.group_size in INT4_GROUP_SIZES, f"quantization_group_size {self.group_size}: 32|64|128")
-        _require(self.quantization not in WEIGHT_ONLY or (self.dtype != "fp8" and self.device == "cpu"),
-                 f"{self.quantization} quantization runs on CPU, from high-precision weights")  # fmt: skip
+        gguf_off_cpu = self.quantization == "gguf" and self.device != "cpu"
+        _require(self.quantization not in WEIGHT_ONLY or (self.dtype != "fp8" and not gguf_off_cpu),
+                 f"{self.quantization} quantization takes high-precision weights (gguf: CPU)")  # fmt: skip
         _require(re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
                  f"unknown device {self.device!r}: cpu | cuda | cuda:N")  # fmt: skip
 

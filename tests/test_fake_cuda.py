@@ -43,6 +43,8 @@ from redline.layers.backends import Backends
 from redline.logprobs import width
 from redline.models.eagle3 import Eagle3Draft, default_aux_layers, draft_config_for
 from redline.models.llama import LlamaForCausalLM
+from redline.models.quantize import WeightOnly, decoder_targets
+from redline.quant.scheme import Fp8Scheme
 from redline.runner.model_runner import ModelRunner
 from redline.runner.plan import (
     PrefillBatch,
@@ -108,9 +110,11 @@ def fake_cuda():
         yield
 
 
-def fake_model(raw: dict, draft: bool, dtype: torch.dtype = torch.bfloat16, pdl: bool = False):
+def fake_model(
+    raw: dict, draft: bool, dtype: torch.dtype = torch.bfloat16, pdl: bool = False, bits: int | None = None
+):
     """Target (and an EAGLE-3 draft over half the vocabulary) built on meta with the kernels a GPU gets,
-    placed on fake cuda:0."""
+    placed on fake cuda:0; bits: its decoder linears quantized as int4 / int8 on load does on CUDA."""
     config = ModelConfig.from_dict(raw)
     backends = Backends.choose(CUDA, dtype, compiled=False, pdl=pdl)
     aux = default_aux_layers(config.num_layers) if draft else ()
@@ -124,6 +128,10 @@ def fake_model(raw: dict, draft: bool, dtype: torch.dtype = torch.bfloat16, pdl:
     place = lambda t: torch.empty(t.shape, dtype=t.dtype, device=CUDA)
     model._apply(place)
     model.model.rotary.materialize(CUDA)
+    if bits is not None:
+        weight_only = WeightOnly(bits, 32, False, dtype, gpu=True)
+        for parent, name, child, full in list(decoder_targets(model, Fp8Scheme(), experts=False)):
+            setattr(parent, name, weight_only.quantized(child, full))
     model.finish_loading()
     if head is not None:
         head._apply(place)
@@ -309,21 +317,23 @@ def test_compiled_prefill_traces_the_kernels(fake_cuda, family):
 
 @in_child
 @pytest.mark.parametrize(
-    "shape, kv_dtype, pdl",
+    "shape, kv_dtype, pdl, bits",
     [
-        (LLAMA31_8B, torch.bfloat16, True),
-        (LLAMA31_8B, torch.float8_e4m3fn, False),
-        (MAVERICK, torch.bfloat16, False),
+        (LLAMA31_8B, torch.bfloat16, True, None),
+        (LLAMA31_8B, torch.float8_e4m3fn, False, None),
+        (MAVERICK, torch.bfloat16, False, None),
+        (LLAMA31_8B, torch.bfloat16, False, 4),
     ],
-    ids=["llama3.1-8b-pdl", "llama3.1-8b-fp8-cache", "llama4-maverick"],
+    ids=["llama3.1-8b-pdl", "llama3.1-8b-fp8-cache", "llama4-maverick", "llama3.1-8b-int4"],
 )
-def test_kernels_compile_for_h200(fake_cuda, shape, kv_dtype, pdl):
+def test_kernels_compile_for_h200(fake_cuda, shape, kv_dtype, pdl, bits):
     """Every kernel launch of a 4,000-token prefill, short prompts and K = 3 steps at real shapes (two
     layers of the 8B; four of Maverick: RoPE and NoPE, dense and MoE with 128 experts) compiles for
     sm_90 with Triton's ptxas, fits an H200's shared memory, spills no registers, and the prefill's
     bf16 products run on tensor cores (wgmma). With pdl, the split-KV kernel compiles with
-    programmatic dependent launch (its gdc_wait)."""
-    model, draft = fake_model(shape, draft=True, pdl=pdl)
+    programmatic dependent launch (its gdc_wait). With int4 weights (on load) the steps' products take the
+    weight-only kernel."""
+    model, draft = fake_model(shape, draft=True, pdl=pdl, bits=bits)
     runner = fake_runner(model, draft, 3, PROMPT + 64, kv_dtype)
     with recorded_launches() as launches:
         serve(runner, OpLog(), OpLog())
@@ -351,6 +361,7 @@ def test_kernels_compile_for_h200(fake_cuda, shape, kv_dtype, pdl):
     assert {"_split_kernel", "_prefill_kernel", "_add_rms_norm_kernel", "_swiglu_kernel"} <= names
     assert "_gate_up_kernel" in names or shape is not MAVERICK
     assert any("launch_pdl" in str(key) for key in seen) == pdl
+    assert ("_weight_only_kernel" in names) == (bits is not None)
 
 
 def _signature(a: object) -> object:
@@ -361,3 +372,16 @@ def _signature(a: object) -> object:
     if isinstance(a, int) and not isinstance(a, bool):
         return ("int", a == 1, a % 16 == 0)
     return a
+
+
+@in_child
+@pytest.mark.parametrize("bits", [4, 8])
+def test_weight_only_linears_on_fake_cuda(fake_cuda, bits):
+    """int4 / int8 on load on CUDA (quant/weight_only_gpu.py): the 4,000-token prefill, a batched prefill
+    and steps of 1 and 4 rows run on the device, the steps' products through the weight-only kernel."""
+    model, _ = fake_model(dict(LLAMA3, intermediate_size=128), draft=False, bits=bits)  # groups of 32
+    assert type(model.model.layers[0].mlp.down_proj).__name__ == "GpuWeightOnlyLinear"
+    prefill_log, step_log = OpLog(), OpLog()
+    serve(fake_runner(model, None, 0, PROMPT + 64), prefill_log, step_log)
+    assert "redline::weight_only_mm" in step_log.ops
+    assert_on_device(prefill_log, step_log)

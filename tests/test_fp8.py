@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_leaves
 from redline import LLM, SamplingParams
 from redline.config import ConfigError
 from redline.models.build import load_target
-from redline.models.fp8_checkpoint import quantize_checkpoint
+from redline.models.quantized_checkpoint import quantize_checkpoint
 from redline.quant.fp8 import FP8, Fp8Linear, dequantize, quantize
 from redline.quant.fp8_experts import Fp8Experts
 from redline.quant.scheme import Fp8Scheme
@@ -119,7 +119,7 @@ def test_quantize_round_trip_and_accuracy(family, tmp_path, tokenizer_dir):
     config = llama3_hf_config() if family == "llama3" else llama4_hf_config()
     src = save_hf_model(build_hf_model(config, seed=0), tmp_path / "src", tokenizer_dir)
     counts = quantize_checkpoint(src, tmp_path / "fp8")
-    assert 0.3 < counts["fp8_parameters"] / counts["parameters"] < 1.0
+    assert 0.3 < counts["quantized_parameters"] / counts["parameters"] < 1.0
     raw = json.loads((tmp_path / "fp8" / "config.json").read_text())
     assert raw["quantization_config"]["quant_method"] == "compressed-tensors"
 
@@ -164,9 +164,9 @@ def test_fbgemm_layout_and_unsupported_schemes(tmp_path, tokenizer_dir):
     config_path.write_text(json.dumps(raw))
     assert isinstance(load_target(tmp_path / "fp8").model.layers[1].self_attn.o_proj, Fp8Linear)
 
-    raw["quantization_config"] = {"quant_method": "gptq"}
+    raw["quantization_config"] = {"quant_method": "bitsandbytes"}
     config_path.write_text(json.dumps(raw))
-    with pytest.raises(ConfigError, match="'gptq' is not supported"):
+    with pytest.raises(ConfigError, match="'bitsandbytes' is not supported"):
         load_target(tmp_path / "fp8")
     blocks = {"group_0": {"weights": {"num_bits": 8, "type": "float", "strategy": "block"}}}
     raw["quantization_config"] = {"quant_method": "compressed-tensors", "config_groups": blocks}

@@ -113,14 +113,15 @@ def test_int4_compiled_and_with_eagle3_decodes_what_plain_int4_does(target, tmp_
 
 
 def test_int4_options_that_cannot_work_are_refused_before_loading(target):
-    """An unknown group size, fp8 weights, a CUDA device; and a bf16 model from an fp32 checkpoint
+    """An unknown group size, fp8 weights, gguf on a CUDA device; and a bf16 model from an fp32 checkpoint
     computes in bf16: in the C++ kernel's layout where this CPU runs it (tests/test_quantized_weights.py),
     else an Int4Linear with scales in the model's dtype, not the checkpoint's."""
     with pytest.raises(ValueError, match="quantization_group_size 48: 32|64|128"):
         LLM(target, quantization="int4", quantization_group_size=48)
-    for bad in (dict(dtype="fp8"), dict(device="cuda")):
-        with pytest.raises(ValueError, match="int4 quantization runs on CPU, from high-precision weights"):
-            LLM(target, quantization="int4", **bad)
+    with pytest.raises(ValueError, match="int4 quantization takes high-precision weights"):
+        LLM(target, quantization="int4", dtype="fp8")
+    with pytest.raises(ValueError, match=r"gguf quantization takes high-precision weights \(gguf: CPU\)"):
+        LLM(target, quantization="gguf", device="cuda")
     llm = LLM(target, dtype="bfloat16", max_batch=1, max_seq_len=64, quantization="int4")
     layer = llm.model.model.layers[0].mlp.down_proj
     if cpu_ops.load():

@@ -14,6 +14,7 @@ from redline.kernels.paged_kv import BLOCK, gather_blocks
 from redline.kernels.prefill_attention import prefill_attention, prefill_attention_reference
 from redline.kernels.rms_norm import add_rms_norm, add_rms_norm_reference
 from redline.kernels.swiglu import swiglu, swiglu_reference
+from redline.kernels.weight_only_mm import weight_only_mm, weight_only_mm_reference
 from redline.quant.fp8 import quantize
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -67,6 +68,44 @@ def test_swiglu(dtype, shape):
     torch.testing.assert_close(
         swiglu(gate_up, block=64), swiglu_reference(gate_up), atol=TOL[dtype], rtol=TOL[dtype]
     )
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m, n, k, group", [(1, 64, 128, 32), (4, 96, 256, 64), (17, 40, 512, 128)])
+def test_weight_only_mm(bits, m, n, k, group):
+    """int4 / int8 codes (fresh random, the whole code range) with random fp16 scales and zeros: the
+    kernel equals the reference (weights rounded to bf16 on a GPU, fp32 under the interpreter) within one
+    bf16 ulp of the output (both accumulate in fp32, in different orders), for a decode row, a verify
+    step's rows and past one 16-row tile."""
+    from redline.quant.int_packing import pack_int32
+
+    if bits == 4:
+        codes = pack_int32(torch.randint(0, 16, (n, k), dtype=torch.int32), 4).to(DEVICE)
+    else:
+        codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, device=DEVICE)
+    scales = (torch.rand(n, k // group, device=DEVICE) * 0.02).half()
+    zeros = (torch.randn(n, k // group, device=DEVICE) * 0.05).half()
+    x = torch.randn(m, k, device=DEVICE).bfloat16()
+    got = weight_only_mm(x, codes, scales, zeros, block_n=32)
+    want = weight_only_mm_reference(x, codes, scales, zeros, rounded=DEVICE == "cuda")
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gpu_weight_only_linear_multiplies_the_cpu_rounding(bits):
+    """quant/weight_only_gpu.py: the weight rounded as the CPU layout rounds it (kernels/quantized_layout),
+    a step's rows through the kernel and a prompt's (past KERNEL_ROWS) through the dequantized weight, both
+    the dequantized product within one bf16 ulp; the bias added."""
+    from redline.kernels.quantized_layout import dequantize, quantize
+    from redline.quant.weight_only_gpu import KERNEL_ROWS, GpuWeightOnlyLinear
+
+    linear = torch.nn.Linear(256, 96, device=DEVICE).bfloat16()
+    module = GpuWeightOnlyLinear.from_linear(linear, bits, 64, torch.bfloat16)
+    weight = dequantize(quantize(linear.weight.detach().cpu(), bits, 64)).to(DEVICE)
+    for rows in (3, 100, KERNEL_ROWS + 6):  # one tile, tiles of 64 rows, the dequantized weight
+        x = torch.randn(2, rows, 256, device=DEVICE).bfloat16()[:1]
+        want = (x.float() @ weight.t() + linear.bias.float()).bfloat16()
+        torch.testing.assert_close(module(x), want, atol=2e-2, rtol=1e-2)
 
 
 def paged(

@@ -182,6 +182,39 @@ def test_shapes_and_options_the_layout_cannot_take_are_refused_before_loading(
     odd = save_hf_model(build_hf_model(config), tmp_path / "o", tokenizer_dir)
     with pytest.raises(ValueError, match=r"k_proj has 48 outputs; quantized weights take multiples of 32"):
         LLM(odd, dtype="float32", quantization="int8")
-    for bad in (dict(dtype="fp8"), dict(device="cuda")):
-        with pytest.raises(ValueError, match="int8 quantization runs on CPU, from high-precision weights"):
-            LLM(target, quantization="int8", **bad)
+    with pytest.raises(ValueError, match="int8 quantization takes high-precision weights"):
+        LLM(target, quantization="int8", dtype="fp8")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_tensor_parallel_ranks_hold_one_process_codes(tmp_path, tokenizer_dir, bits):
+    """int4 / int8 on load over 2 ranks: a column-parallel rank holds whole rows and a row-parallel one
+    whole groups (its 64 inputs of 128 are 2 groups of 32), so each rank's codes, scales and zeros are
+    one process's bit for bit, and the logits are one process's up to the all-reduce's fp32 order."""
+    import torch.multiprocessing as mp
+    from test_tensor_parallel import _rank_logits
+
+    from redline.models.build import load_target
+    from redline.parallel.group import TensorParallel
+
+    config = llama3_hf_config(hidden_size=128, intermediate_size=256, num_attention_heads=4)
+    target = save_hf_model(build_hf_model(config, seed=13), tmp_path / "t", tokenizer_dir)
+    tokens = torch.randint(5, 384, (1, 48))
+    one = load_target(target, torch.float32, quantization=f"int{bits}")
+    with torch.inference_mode():
+        want = one.logits(one(tokens, torch.arange(48)[None])[0])
+    args = (2, False, str(tmp_path / "init"), str(target), tokens, str(tmp_path), f"int{bits}")
+    mp.start_processes(_rank_logits, args=args, nprocs=2, start_method="spawn")
+    got = torch.load(tmp_path / "rank0.pt")
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+    rank1 = load_target(target, torch.float32, quantization=f"int{bits}", tp=TensorParallel(1, 2))
+    for name in ("self_attn.q_proj", "mlp.down_proj"):  # column- and row-parallel
+        mine, whole = (m.model.layers[1].get_submodule(name) for m in (rank1, one))
+        if bits == 4:  # Int4Linear: scales and zeros [K / group, N, 2]
+            sz, n, k = whole.scales_and_zeros, mine.out_features, mine.in_features
+            part = sz[:, n:] if name.endswith("q_proj") else sz[k // 32 :]
+            assert torch.equal(mine.scales_and_zeros, part)
+        else:
+            full, n, k = dequantize(whole.weight), mine.out_features, mine.in_features
+            part = full[n:] if name.endswith("q_proj") else full[:, k:]
+            assert torch.equal(dequantize(mine.weight), part)

@@ -23,8 +23,8 @@ from redline.cli import main
 from redline.config import ConfigError, ModelConfig
 from redline.engine.request import GenerationError
 from redline.models.build import load_target
-from redline.models.fp8_checkpoint import quantize_checkpoint
 from redline.models.gguf import gguf_model_dir, smollm2_gguf
+from redline.models.quantized_checkpoint import quantize_checkpoint
 from redline.models.tensor_files import SafetensorsFile
 from redline.parallel.group import TensorParallel
 from redline.parallel.sharding import Shard, local_config, shard_of

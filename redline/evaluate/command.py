@@ -15,7 +15,8 @@ def add_parser(sub) -> None:
     help = "humaneval | sharegpt | JSONL task file (math, choice, code)"
     e.add_argument("--data", required=True, help=help)
     e.add_argument("--limit", type=int, default=None, help="evaluate the first N tasks only")
-    e.add_argument("--compare", action="append", default=[], help="fp8 | bf16 | fp32 | spec:DRAFT_DIR | DIR")
+    help = "fp8 | bf16 | fp32 | int4 | int8 | gguf (weight-only on load) | spec:DRAFT_DIR | DIR"
+    e.add_argument("--compare", action="append", default=[], help=help)
     help = "held-out text for perplexity (default: the set's own, or the stdlib held-out files)"
     e.add_argument("--text", type=Path, default=None, help=help)
     e.add_argument("--windows", type=int, default=16, help="256-token windows of text for perplexity / KL")

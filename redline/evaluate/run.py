@@ -24,6 +24,7 @@ from redline.tokenizer import Tokenizer
 from redline.train import data
 
 MODES = ("bf16", "fp32", "fp16", "fp8")  # LLM dtypes; "fp8" is bf16 activations with FP8 weights
+QUANTIZED = ("int4", "int8", "gguf")  # the base quantized on load, in its dtype (engine_config.WEIGHT_ONLY)
 
 
 @dataclass(frozen=True)
@@ -32,18 +33,22 @@ class EvalConfig:
     model_dir: Path
     dtype: str  # an LLM dtype: "bf16", "fp32", "fp8", ...
     draft: Path | None = None
+    quantization: str | None = None  # weight-only on load: one of QUANTIZED
 
 
 def parse_config(spec: str, base: EvalConfig) -> EvalConfig:
-    """'fp8' | 'bf16' | 'fp32': the base model in that mode; 'spec:DIR': the base with that EAGLE-3
-    draft; else a checkpoint directory in the base's dtype (FP8 checkpoints load as FP8)."""
+    """'fp8' | 'bf16' | 'fp32': the base model in that mode; 'int4' | 'int8' | 'gguf': the base's weights
+    quantized on load (gguf: a .gguf import's own tensors); 'spec:DIR': the base with that EAGLE-3 draft;
+    else a checkpoint directory in the base's dtype (FP8 and int4 / int8 checkpoints load as they are)."""
     if spec in MODES:
         return EvalConfig(spec, base.model_dir, spec)
+    if spec in QUANTIZED:
+        return EvalConfig(spec, base.model_dir, base.dtype, quantization=spec)
     if spec.startswith("spec:"):
         return EvalConfig(f"{base.name}+eagle3", base.model_dir, base.dtype, Path(spec[5:]))
     path = Path(spec)
     if not path.is_dir():
-        modes = ", ".join(MODES)
+        modes = ", ".join((*MODES, *QUANTIZED))
         raise ValueError(f"--compare {spec!r} is neither a mode ({modes}, spec:DRAFT_DIR) nor a directory")
     return EvalConfig(path.name, path, base.dtype)
 
@@ -71,7 +76,7 @@ def evaluate(
     rows, base_lp, base_tokens = [], None, None
     for config in configs:
         llm = LLM(config.model_dir, dtype=config.dtype, device=device, max_num_seqs=8, draft=config.draft,
-                  tensor_parallel_size=tensor_parallel_size,
+                  quantization=config.quantization, tensor_parallel_size=tensor_parallel_size,
                   enable_expert_parallel=expert_parallel)  # fmt: skip
         samples = text_windows(llm.tokenizer, texts, window_len, windows)
         lp = [llm.log_probs(w.tolist()) for w in samples]  # [T, V] fp32 per window (every TP rank joins)

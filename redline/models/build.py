@@ -13,6 +13,8 @@ from redline.engine_config import WEIGHT_ONLY
 from redline.layers.backends import TORCH, Backends
 from redline.models.eagle3 import Eagle3Draft, aux_layers_of, load_draft
 from redline.models.expert_layout import per_expert_part, rank_part
+from redline.models.huge_pages import trim_heap
+from redline.models.int_checkpoint import IntCheckpointLoad, int_skeleton
 from redline.models.llama import LlamaForCausalLM
 from redline.models.loader import Part, load_weights
 from redline.models.quantize import (
@@ -23,9 +25,11 @@ from redline.models.quantize import (
     fp8_skeleton,
     quantize_head,
 )
+from redline.models.tensor_files import checkpoint_files
 from redline.parallel import sharding
 from redline.parallel.group import SINGLE, TensorParallel
 from redline.quant.fp8 import scaled_mm_available
+from redline.quant.int_scheme import int_scheme
 from redline.quant.scheme import Fp8Scheme, fp8_scheme
 
 # Multimodal Llama 4 checkpoints hold the vision tower and projector beside the language model.
@@ -85,14 +89,20 @@ def skeleton(
     aux_layers: tuple[int, ...] = (),
 ) -> LlamaForCausalLM:
     """Rank tp.rank's model on the meta device, without weights: its shard's shapes, and FP8 modules
-    where the checkpoint's quantization_config puts them."""
+    where the checkpoint's quantization_config puts them (int4 / int8 ones: models/int_checkpoint.py)."""
     config, scheme = _config_and_scheme(model_dir)
+    ints = int_scheme(config.raw, str(Path(model_dir) / "config.json"))
+    if ints is not None and tp.size > 1:
+        raise ValueError(f"{model_dir}: a {ints.method} checkpoint runs in one process (no tensor parallel)")
     if tp.size > 1:
         config = sharding.local_config(config, tp.size, tp.expert_parallel)
+    named = functools.partial(module_key_to_checkpoint_key, config)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, tp, backends, aux_layers)
         if scheme is not None:
-            fp8_skeleton(model, scheme, scaled_mm, functools.partial(module_key_to_checkpoint_key, config))
+            fp8_skeleton(model, scheme, scaled_mm, named)
+        if ints is not None:
+            int_skeleton(model, ints, named)
     return model
 
 
@@ -111,17 +121,31 @@ def load_target(
     expert module as soon as its weights are read, so the high-precision model never sits in memory whole),
     "int4" / "int8" the decoder's linears to weight-only codes in groups of group_size (CPU: the C++
     kernel's layout where the backends pack weights, kernels/quantized_layout.py, and the head int8; else
-    quant/int4.py for int4), "gguf" a .gguf import's decoder and head as the file holds them
-    (models/gguf_blocks.py);
-    FP8 checkpoints load as FP8 whatever it says. backends: what runs in the layers (layers/backends.py);
+    quant/int4.py for int4; CUDA: quant/weight_only_gpu.py), "gguf" a .gguf import's decoder and head as
+    the file holds them (models/gguf_blocks.py);
+    FP8 checkpoints load as FP8 whatever it says, and GPTQ / AWQ / compressed-tensors int4 and int8
+    checkpoints as their codes (models/int_checkpoint.py).
+    backends: what runs in the layers (layers/backends.py);
     aux_layers: the hidden states an EAGLE-3 draft reads (models/eagle3.aux_layers_of)."""
     whole, scheme = _config_and_scheme(model_dir, quantization)
+    ints = int_scheme(whole.raw, str(Path(model_dir) / "config.json"))
+    if ints is not None and quantization is not None:
+        raise ValueError(f"{model_dir} holds {ints} weights: --quantization takes a high-precision one")
+    if ints is not None and torch.device(device).type != "cpu":
+        raise ValueError(f"{model_dir} holds {ints} weights, which load on CPU (not wired to CUDA yet)")
     scaled_mm = scaled_mm_available(torch.device(device))
     model = skeleton(model_dir, tp, scaled_mm, backends, aux_layers)
     hook, weight_only = None, None
-    if scheme is None and quantization in ("fp8", *WEIGHT_ONLY):
+    optional = ["lm_head.weight"] if whole.tie_word_embeddings else []
+    rename = checkpoint_key_to_module_key(whole, tp)
+    if ints is not None:
+        hook = _int_checkpoint_hook(model, model_dir, whole, ints.bits, backends, dtype)
+        optional += hook.optional
+        rename = _without_extra_biases(rename, hook)
+    elif scheme is None and quantization in ("fp8", *WEIGHT_ONLY):
         if quantization in WEIGHT_ONLY:
-            weight_only = _weight_source(model_dir, whole, quantization, group_size, backends, dtype, tp)
+            options = (quantization, group_size, backends, dtype, tp, torch.device(device))
+            weight_only = _weight_source(model_dir, whole, *options)
         hook = QuantizeOnLoad(model, Fp8Scheme(tuple(HIGH_PRECISION)), scaled_mm, weight_only)
     elif scheme is not None and quantization in WEIGHT_ONLY:
         raise ValueError(
@@ -132,17 +156,50 @@ def load_target(
         model_dir,
         dtype=dtype,
         device=device,
-        rename=checkpoint_key_to_module_key(whole, tp),
-        optional=["lm_head.weight"] if whole.tie_word_embeddings else [],
+        rename=rename,
+        optional=optional,
         hook=hook,
         shard_of=lambda key: sharding.shard_of(whole, key, tp.rank, tp.size, tp.expert_parallel),
     )
-    model.finish_loading()
-    if weight_only is not None:
+    if weight_only is not None:  # before finish_loading packs a bf16 head
         quantize_head(model, weight_only.head)
         weight_only.report()
+    model.finish_loading()
+    if isinstance(hook, IntCheckpointLoad):
+        hook.report()
     model.model.rotary.materialize(torch.device(device))
+    trim_heap()  # the freed high-precision copies of a quantized load
     return model.eval()
+
+
+def _kernel_path(backends: Backends, dtype: torch.dtype, what: str) -> bool:
+    """Whether weight-only weights take the C++ kernel's layout (`blocks`): where the backends pack bf16
+    weights. Without it int8 and gguf weights are multiplied dequantized, a warned slow path (int4 takes
+    torch's int4 kernel)."""
+    blocks = backends.packed_weights and dtype == torch.bfloat16
+    if not blocks and what != "int4":
+        why = f"redline: {what} weights without the AVX-512 BF16 kernels (or in {dtype}) are "
+        warnings.warn(why + "dequantized at every product: slower than unquantized", stacklevel=4)
+    return blocks
+
+
+def _without_extra_biases(rename, hook: IntCheckpointLoad):
+    """rename, skipping the biases an int checkpoint holds for linears without one (IntCheckpointLoad)."""
+
+    def renamed(key: str) -> str | Part | None:
+        target = rename(key)
+        return None if isinstance(target, str) and hook.extra_bias(target) else target
+
+    return renamed
+
+
+def _int_checkpoint_hook(
+    model: LlamaForCausalLM, model_dir: str | Path, config: ModelConfig, bits: int, backends: Backends,
+    dtype: torch.dtype,
+) -> IntCheckpointLoad:  # fmt: skip
+    rename = checkpoint_key_to_module_key(config)
+    present = {key for key in map(rename, checkpoint_files(Path(model_dir))) if isinstance(key, str)}
+    return IntCheckpointLoad(model, present, _kernel_path(backends, dtype, f"int{bits}"), dtype)
 
 
 def _weight_source(
@@ -153,16 +210,17 @@ def _weight_source(
     backends: Backends,
     dtype: torch.dtype,
     tp: TensorParallel,
+    device: torch.device,
 ) -> WeightSource:
-    """int4 / int8 on load (WeightOnly), or a .gguf's own tensors (models/gguf_blocks.py; one process: its
-    tensors are whole), in the C++ kernel's layout where the backends pack bf16 weights (`blocks`). Without
-    it int8 and gguf weights are multiplied dequantized, a warned slow path."""
-    blocks = backends.packed_weights and dtype == torch.bfloat16
-    if not blocks and quantization in ("int8", "gguf"):
-        why = f"redline: {quantization} weights without the AVX-512 BF16 kernels (or in {dtype}) are "
-        warnings.warn(why + "dequantized at every product: slower than unquantized", stacklevel=3)
+    """int4 / int8 on load (WeightOnly; on CUDA the Triton kernel's layout), or a .gguf's own tensors
+    (models/gguf_blocks.py; one process: its tensors are whole), on CPU in the C++ kernel's layout where the
+    backends pack bf16 weights (_kernel_path)."""
+    bits = 8 if quantization == "int8" else 4
+    if device.type == "cuda" and quantization != "gguf":
+        return WeightOnly(bits, group_size, False, dtype, gpu=True)
+    blocks = _kernel_path(backends, dtype, quantization)
     if quantization != "gguf":
-        return WeightOnly(8 if quantization == "int8" else 4, group_size, blocks, dtype)
+        return WeightOnly(bits, group_size, blocks, dtype)
     if tp.size > 1:
         raise ValueError("quantization 'gguf' runs in one process (no tensor parallelism)")
     from redline.models.gguf import gguf_source
@@ -182,12 +240,16 @@ def load_with_draft(
     group_size: int = 32,  # int4's and int8's
 ) -> tuple[LlamaForCausalLM, Eagle3Draft]:
     """The target built with the hidden states the draft reads (aux_layers_of), then the draft over it. A
-    weight-only target on the C++ kernel's path (int4, int8, gguf) gets a draft quantized the same way
-    (gguf: int4), its own head int8 (models/quantize.quantize_draft): a bf16 draft's step cost about
-    what an int4 target's does. Otherwise the draft stays in high precision."""
-    aux = aux_layers_of(draft_dir, ModelConfig.from_dir(target_dir).num_layers)
+    weight-only target on the C++ kernel's path (int4, int8, gguf, an int4 / int8 checkpoint) gets a draft
+    quantized the same way (gguf: int4) in groups of group_size, its own head int8
+    (models/quantize.quantize_draft): a bf16 draft's step costs about what an int4 target's does.
+    Otherwise the draft stays in high precision."""
+    config = ModelConfig.from_dir(target_dir)
+    aux = aux_layers_of(draft_dir, config.num_layers)
     target = load_target(target_dir, dtype, device, quantization, tp, backends, aux, group_size)
-    draft_weights = None
-    if quantization in WEIGHT_ONLY and backends.packed_weights and dtype == torch.bfloat16:
-        draft_weights = WeightOnly(8 if quantization == "int8" else 4, group_size, True, dtype)
+    ints, draft_weights = int_scheme(config.raw), None
+    quantized = quantization in WEIGHT_ONLY or ints is not None
+    if quantized and backends.packed_weights and dtype == torch.bfloat16:
+        bits = ints.bits if ints is not None else 8 if quantization == "int8" else 4
+        draft_weights = WeightOnly(bits, group_size, True, dtype)
     return target, load_draft(draft_dir, target, dtype, device, backends, draft_weights)

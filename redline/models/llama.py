@@ -31,6 +31,7 @@ from redline.parallel.vocab import (
     vocab_block,
     vocab_parallel_argmax,
 )
+from redline.quant.weight_only_gpu import KERNEL_ROWS, GpuWeightOnlyLinear
 
 KVLayer = tuple[torch.Tensor, torch.Tensor]
 
@@ -241,8 +242,12 @@ class LlamaForCausalLM(nn.Module):
 
     def token_count_branches(self) -> set[int]:
         """Token counts t at which the forward takes another path above t tokens than up to t: a MoE
-        layer gathers each token's experts while tokens * top_k <= experts (128 experts, top-1: t = 128)."""
-        return {m.num_experts // m.top_k for m in self.modules() if isinstance(m, MoE)}
+        layer gathers each token's experts while tokens * top_k <= experts (128 experts, top-1: t = 128);
+        a GPU weight-only linear takes its kernel up to KERNEL_ROWS rows (quant/weight_only_gpu.py)."""
+        branches = {m.num_experts // m.top_k for m in self.modules() if isinstance(m, MoE)}
+        if any(isinstance(m, GpuWeightOnlyLinear) for m in self.modules()):
+            branches.add(KERNEL_ROWS)
+        return branches
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., vocab] fp32
         """Under tensor parallelism every rank's vocabulary block, gathered (parallel/vocab.py)."""

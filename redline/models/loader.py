@@ -51,6 +51,32 @@ class LoadHook(Protocol):
         """Called once the module tensor is complete (every Part of it installed)."""
 
 
+class PendingModules:
+    """The modules a hook replaces once all their tensors are in (models/quantize.QuantizeOnLoad,
+    models/int_checkpoint.IntCheckpointLoad), each with the keys it still waits for."""
+
+    def __init__(self) -> None:
+        self._pending: dict[str, tuple[torch.nn.Module, str, set[str]]] = {}  # name: parent, attribute, keys
+
+    def add(self, name: str, parent: torch.nn.Module, attribute: str, keys: set[str]) -> None:
+        self._pending[name] = (parent, attribute, keys)
+
+    def module(self, name: str) -> torch.nn.Module | None:  # a module still waiting, by name
+        return getattr(*self._pending[name][:2]) if name in self._pending else None
+
+    def complete(self, module_key: str) -> tuple[torch.nn.Module, str, str] | None:
+        """module_key is in: (parent, attribute, name) of its module when that was its last tensor."""
+        name = module_key.rpartition(".")[0]
+        if name not in self._pending:
+            return None
+        parent, attribute, keys = self._pending[name]
+        keys.discard(module_key)
+        if keys:
+            return None
+        del self._pending[name]
+        return parent, attribute, name
+
+
 @dataclass(frozen=True)
 class _Source:
     path: Path

@@ -14,19 +14,21 @@ import torch
 from torch import nn
 
 from redline.kernels import quantized_layout
-from redline.kernels.packed_layout import is_packed, unpack
 from redline.layers.linear import Linear
 from redline.layers.moe import Experts
+from redline.models.huge_pages import trim_heap
+from redline.models.loader import PendingModules
 from redline.quant.fp8 import Fp8Linear, Kind
 from redline.quant.fp8_experts import Fp8Experts
 from redline.quant.int4 import Int4Linear, check_int4_shape
 from redline.quant.scheme import Fp8Scheme
+from redline.quant.weight_only_gpu import GpuWeightOnlyLinear
 
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 HIGH_PRECISION = ["lm_head", "re:.*router$"]  # plus embeddings and norms, which are not Linear
 
 
-def _targets(
+def decoder_targets(
     model: nn.Module,
     scheme: Fp8Scheme,
     checkpoint_name: Callable[[str], str] = lambda name: name,
@@ -47,7 +49,7 @@ def fp8_skeleton(
 ) -> None:
     """On the meta device: replaces the modules an FP8 checkpoint in `scheme` holds in FP8 by empty FP8
     modules; checkpoint_name maps redline's module names to the checkpoint's, for the `ignore` list."""
-    for parent, name, child, _ in list(_targets(model, scheme, checkpoint_name)):
+    for parent, name, child, _ in list(decoder_targets(model, scheme, checkpoint_name)):
         if isinstance(child, Linear):
             shape = (child.in_features, child.out_features, child.bias is not None)
             fp8 = Fp8Linear(*shape, scheme.per_tensor, scaled_mm, scheme.static_input)
@@ -65,7 +67,7 @@ def _quantized(module: nn.Module, scaled_mm: bool) -> nn.Module:
 
 def to_fp8(model: nn.Module, scheme: Fp8Scheme, scaled_mm: bool) -> None:
     """Replaces model.layers.*'s loaded linears and experts by quantized copies, in place."""
-    for parent, name, child, _ in list(_targets(model, scheme)):
+    for parent, name, child, _ in list(decoder_targets(model, scheme)):
         setattr(parent, name, _quantized(child, scaled_mm))
 
 
@@ -73,7 +75,7 @@ def quantized_weights(model: nn.Module, scheme: Fp8Scheme, experts: bool = True)
     """Module keys of the weights quantization turns into FP8, with the layout of their scales:
     {"model.layers.0.self_attn.q_proj.weight": "linear", "model.layers.1.mlp.experts.down_proj": "down"}"""
     weights: dict[str, Kind] = {}
-    for _, _, child, full in _targets(model, scheme, experts=experts):
+    for _, _, child, full in decoder_targets(model, scheme, experts=experts):
         if isinstance(child, Linear):
             weights[f"{full}.weight"] = "linear"
         else:
@@ -84,25 +86,29 @@ def quantized_weights(model: nn.Module, scheme: Fp8Scheme, experts: bool = True)
 @dataclass(frozen=True)
 class WeightOnly:
     """Weight-only quantization on load: `bits` (4 or 8) in groups of `group` along the input dimension.
-    blocks: the C++ kernel's layout (kernels/quantized_layout.py, held by the Linear itself, which the
-    backends' product and one-call layer take), and the head in int8 once loaded (quantize_head); else int4
-    as quant/int4.py's Int4Linear (torch's int4 kernel) and int8 in the layout, multiplied by its
-    dequantized weight (no AVX-512 BF16 kernel), the head as it is."""
+    gpu: quant/weight_only_gpu.py's linears (a Triton kernel), the head as it is. On CPU, blocks: the C++
+    kernel's layout (kernels/quantized_layout.py, held by the Linear itself, which the backends' product
+    and one-call layer take), and the head in int8 once loaded (quantize_head); else int4 as
+    quant/int4.py's Int4Linear (torch's int4 kernel) and int8 in the layout, multiplied by its dequantized
+    weight (no AVX-512 BF16 kernel), the head as it is."""
 
     bits: int
     group: int
     blocks: bool
     dtype: torch.dtype  # the model's: Int4Linear computes in it
+    gpu: bool = False
 
     def check(self, linear: Linear, name: str) -> None:
-        if self.blocks or self.bits == 8:
+        if self.gpu:  # the GPU layout takes any rows
+            quantized_layout.check_shape(linear.in_features, linear.out_features, self.group, name, rows=1)
+        elif self.blocks or self.bits == 8:
             quantized_layout.check_shape(linear.in_features, linear.out_features, self.group, name)
         else:
             check_int4_shape(linear.in_features, linear.out_features, self.group, name)
 
-    def head(self, head: torch.Tensor) -> torch.Tensor | None:  # the loaded head: [V, H] or packed
+    def head(self, head: torch.Tensor) -> torch.Tensor | None:  # the loaded head [V, H]
         """In the layout, int8 (HEAD_BITS) in groups of `group`: with blocks, where its shape fits."""
-        weight = unpack(head) if is_packed(head) else head.detach()
+        weight = head.detach()
         if not self.blocks or weight.shape[0] % quantized_layout.BLOCK_ROWS or weight.shape[1] % self.group:
             return None
         return quantized_layout.quantize(weight, HEAD_BITS, self.group)
@@ -111,10 +117,10 @@ class WeightOnly:
         """Nothing to report: every weight is rounded by the same rule."""
 
     def quantized(self, linear: Linear, name: str) -> nn.Module:
+        if self.gpu:  # the Triton kernel (kernels/weight_only_mm.py)
+            return GpuWeightOnlyLinear.from_linear(linear, self.bits, self.group, self.dtype)
         if not self.blocks and self.bits == 4:
             return Int4Linear.from_linear(linear, self.group, name, self.dtype)
-        if linear.weight.device.type != "cpu":
-            raise ValueError(f"int{self.bits} weights run on CPU, not {linear.weight.device.type}")
         weight = quantized_layout.quantize(linear.weight.detach(), self.bits, self.group)
         linear.weight = nn.Parameter(weight, requires_grad=False)
         if linear.bias is not None:
@@ -132,24 +138,24 @@ class WeightSource(Protocol):
 
     def quantized(self, linear: Linear, name: str) -> nn.Module: ...  # once its weights are in
 
-    def head(self, head: torch.Tensor) -> torch.Tensor | None: ...  # after loading (quantize_head)
+    def head(self, head: torch.Tensor) -> torch.Tensor | None: ...  # loaded, before tying (quantize_head)
 
     def report(self) -> None: ...  # once loaded
 
 
 def quantize_head(model: nn.Module, quantized_of: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
-    """After loading: the head (and the embedding table tied to it, whose lookup reads the rows back:
-    quantized_layout.rows_of) replaced by quantized_of(its weight, [V, H] or packed) where that is not
-    None (WeightOnly.head: int8 as the SmolLM2 Q4_1 GGUF holds its tied table, Q8_0; GgufWeights.head: the
-    file's own)."""
-    head = model.lm_head.weight
-    weight = quantized_of(head)
+    """Once the weights are in, before finish_loading (which ties and packs): the head (with tied
+    embeddings the table, whose lookup reads the rows back: quantized_layout.rows_of, and which the head
+    then shares) replaced by quantized_of(its weight [V, H]) where that is not None (WeightOnly.head: int8
+    as the SmolLM2 Q4_1 GGUF holds its tied table, Q8_0; GgufWeights.head: the file's own)."""
+    tied = model.config.tie_word_embeddings
+    weight = quantized_of(model.model.embed_tokens.weight if tied else model.lm_head.weight)
     if weight is None:
         return
     quantized = nn.Parameter(weight, requires_grad=False)
-    for module in (model.lm_head, model.model.embed_tokens):
-        if module.weight is head:
-            module.weight = quantized
+    model.lm_head.weight = quantized
+    if tied:
+        model.model.embed_tokens.weight = quantized
 
 
 def quantize_draft(draft: nn.Module, weight_only: WeightOnly) -> None:
@@ -179,27 +185,23 @@ class QuantizeOnLoad:
         self._scaled_mm, self._weight_only = scaled_mm, weight_only
         experts = weight_only is None
         self._weights = quantized_weights(model, scheme, experts)
-        # module name -> (parent, attribute, the module's tensors not loaded yet)
-        self._pending: dict[str, tuple[nn.Module, str, set[str]]] = {}
-        for parent, name, child, full in _targets(model, scheme, experts=experts):
+        self._pending = PendingModules()
+        for parent, name, child, full in decoder_targets(model, scheme, experts=experts):
             if weight_only is not None:
                 weight_only.check(child, full)
-            self._pending[full] = (parent, name, {f"{full}.{key}" for key, _ in child.named_parameters()})
+            self._pending.add(full, parent, name, {f"{full}.{key}" for key, _ in child.named_parameters()})
 
     def dtype(self, module_key: str, on_disk: torch.dtype, default: torch.dtype) -> torch.dtype:
         return on_disk if module_key in self._weights and on_disk.is_floating_point else default
 
     def loaded(self, module_key: str) -> None:
-        name = module_key.rpartition(".")[0]
-        if name not in self._pending:
+        if (done := self._pending.complete(module_key)) is None:
             return
-        parent, attribute, pending = self._pending[name]
-        pending.discard(module_key)
-        if not pending:
-            del self._pending[name]
-            module = getattr(parent, attribute)
-            if self._weight_only is not None:
-                quantized = self._weight_only.quantized(module, name)
-            else:
-                quantized = _quantized(module, self._scaled_mm)
-            setattr(parent, attribute, quantized)
+        parent, attribute, name = done
+        module = getattr(parent, attribute)
+        if self._weight_only is not None:
+            quantized = self._weight_only.quantized(module, name)
+        else:
+            quantized = _quantized(module, self._scaled_mm)
+        setattr(parent, attribute, quantized)
+        trim_heap()  # the module's high-precision copy and temporaries leave the process now

@@ -1,10 +1,10 @@
 """FP8 (e4m3fn) weights with per-output-channel or per-tensor scales.
 
 Weights: w ~= q * scale, q = round(w / scale) in e4m3fn (|q| <= 448), scale = absmax / 448 over the
-input dimension (per output channel: what `redline quantize` writes) or over the whole tensor (the
-per-tensor "-FP8" releases). Activations (the _scaled_mm path): quantized per token at run time, or with
-the checkpoint's calibrated per-tensor `input_scale` (static): x ~= clamp(x / s, +-448) in e4m3 * s, as
-compressed-tensors and vLLM compute it.
+input dimension (per output channel: what `redline quantize --scheme fp8` writes) or over the whole
+tensor (the per-tensor "-FP8" releases). Activations (the _scaled_mm path): quantized per token at run
+time, or with the checkpoint's calibrated per-tensor `input_scale` (static): x ~= clamp(x / s, +-448) in
+e4m3 * s, as compressed-tensors and vLLM compute it.
 
 Two kernels, picked at construction (`scaled_mm`):
 - torch._scaled_mm: FP8 x FP8 with fp32 accumulation (Hopper / Ada GPUs; on CPU only a slow reference);

@@ -91,9 +91,34 @@ class Int4Linear(nn.Module):
             raise ValueError(f"int4 weights run on CPU (the {weight.device.type} kernel is not wired in yet)")
         dtype = dtype or weight.dtype
         q, scale, zero = quantize_int4(weight, group, dtype)
+        bias = None if linear.bias is None else linear.bias.detach().to(dtype).clone()
+        return cls._kernel_form(q, scale, zero, group, bias, dtype)
+
+    @classmethod
+    def from_codes(
+        cls,
+        q: torch.Tensor,  # [N, K] int32, 0 .. 15
+        scale: torch.Tensor,  # [N, K / group]
+        zero: torch.Tensor,  # [N, K / group]: the weight is q * scale + zero (the kernel's: zero + 8 scale)
+        group: int,
+        bias: torch.Tensor | None,  # [N], dtype
+        dtype: torch.dtype,  # scales and zeros are rounded to it, and the product computes in it
+    ) -> Int4Linear:
+        """Codes read from a checkpoint (models/int_checkpoint.py), in the kernel's form."""
+        return cls._kernel_form(q, scale, zero + 8 * scale, group, bias, dtype)
+
+    @classmethod
+    def _kernel_form(
+        cls,
+        q: torch.Tensor,  # [N, K] int32, 0 .. 15
+        scale: torch.Tensor,  # [N, K / group]
+        zero: torch.Tensor,  # [N, K / group]: the weight is (q - 8) * scale + zero
+        group: int,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+    ) -> Int4Linear:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INNER_K_TILES)
         scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()
-        bias = None if linear.bias is None else linear.bias.detach().to(dtype).clone()
         return cls(packed, scales_and_zeros, group, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in_features] -> [..., out_features]

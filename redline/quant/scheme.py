@@ -2,7 +2,7 @@
 
 - compressed-tensors (`float-quantized` or `naive-quantized`: both store e4m3 weights as they are):
   - `strategy: channel` weights ([N, 1] `weight_scale`), activations dynamic per token: the FP8-dynamic
-    Llama 3.x / 4 releases (RedHatAI/...-FP8-dynamic) and what `redline quantize` writes;
+    Llama 3.x / 4 releases (RedHatAI/...-FP8-dynamic) and what `redline quantize` (--scheme fp8) writes;
   - `strategy: tensor` weights ([1] `weight_scale`) with static per-tensor activation scales
     (`input_activations: {dynamic: false, strategy: tensor}`, an `input_scale` per linear): the "-FP8"
     releases (neuralmagic / RedHatAI Meta-Llama-3.1-8B-Instruct-FP8). Scales are often bf16 on disk;
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from redline.config import ConfigError
+from redline.quant.int_scheme import int_scheme
 
 _FORMATS = ("float-quantized", "naive-quantized")
 
@@ -44,7 +45,7 @@ class Fp8Scheme:
 
 def fp8_scheme(raw: dict[str, Any], source: str = "config.json") -> Fp8Scheme | None:
     q = raw.get("quantization_config")
-    if not q:
+    if not q or int_scheme(raw, source) is not None:  # weight-only int4 / int8 (quant/int_scheme.py)
         return None
     method = q.get("quant_method")
     if method == "fbgemm_fp8":
@@ -52,7 +53,8 @@ def fp8_scheme(raw: dict[str, Any], source: str = "config.json") -> Fp8Scheme | 
     if method != "compressed-tensors":
         raise ConfigError(
             f"{source}: quantization {method!r} is not supported; "
-            "redline reads FP8 checkpoints in the compressed-tensors or fbgemm_fp8 layout"
+            "redline reads FP8 checkpoints (compressed-tensors, fbgemm_fp8) and int4 / int8 ones (gptq, awq, "
+            "compressed-tensors pack-quantized)"
         )
     if q.get("format", "float-quantized") not in _FORMATS:
         raise ConfigError(f"{source}: compressed-tensors format {q.get('format')!r} is not supported")
@@ -89,7 +91,7 @@ def _group_scheme(name: str, group: dict[str, Any], source: str) -> tuple[bool, 
 
 
 def compressed_tensors_config(ignore: list[str]) -> dict[str, Any]:
-    """The quantization_config `redline quantize` writes."""
+    """The quantization_config `redline quantize --scheme fp8` writes."""
     return {
         "quant_method": "compressed-tensors",
         "format": "float-quantized",
