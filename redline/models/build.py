@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -141,12 +142,13 @@ def load_target(
     if ints is not None:
         hook = _int_checkpoint_hook(model, model_dir, whole, ints.bits, backends, dtype)
         optional += hook.optional
-        rename = _without_extra_biases(rename, hook)
+        rename = _skipping(rename, hook.extra_bias)
     elif scheme is None and quantization in ("fp8", *WEIGHT_ONLY):
         if quantization in WEIGHT_ONLY:
             options = (quantization, group_size, backends, dtype, tp, torch.device(device))
             weight_only = _weight_source(model_dir, whole, *options)
         hook = QuantizeOnLoad(model, Fp8Scheme(tuple(HIGH_PRECISION)), scaled_mm, weight_only)
+        rename, optional = _skipping(rename, hook.supplied.__contains__), optional + sorted(hook.supplied)
     elif scheme is not None and quantization in WEIGHT_ONLY:
         raise ValueError(
             f"{model_dir} holds FP8 weights: {quantization} quantization takes a high-precision checkpoint"
@@ -183,12 +185,13 @@ def _kernel_path(backends: Backends, dtype: torch.dtype, what: str) -> bool:
     return blocks
 
 
-def _without_extra_biases(rename, hook: IntCheckpointLoad):
-    """rename, skipping the biases an int checkpoint holds for linears without one (IntCheckpointLoad)."""
+def _skipping(rename, skipped: Callable[[str], bool]):
+    """rename, skipping the module keys `skipped` names: the biases an int checkpoint holds for linears
+    without one (IntCheckpointLoad.extra_bias), the weights a GGUF gave before loading (QuantizeOnLoad)."""
 
     def renamed(key: str) -> str | Part | None:
         target = rename(key)
-        return None if isinstance(target, str) and hook.extra_bias(target) else target
+        return None if isinstance(target, str) and skipped(target) else target
 
     return renamed
 

@@ -54,10 +54,14 @@ def fp16(blocks: np.ndarray, offset: int) -> torch.Tensor:  # [rows, blocks, byt
     return torch.from_numpy(values).float()
 
 
-def exact_codes(tensor: gguf.ReaderTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """(q [N, K] int32, scale, zero [N, K / 32], bits) of a Q4_0, Q4_1 or Q8_0 tensor, rows as the file's."""
+def exact_codes(
+    tensor: gguf.ReaderTensor, rows: slice = slice(None)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(q [R, K] int32, scale, zero [R, K / 32], bits) of `rows` of a Q4_0, Q4_1 or Q8_0 tensor, rows as the
+    file's."""
     n, k = hf_shape(tensor)
-    blocks = np.asarray(tensor.data).reshape(n, k // GROUP, -1)  # [rows, blocks, block bytes]
+    blocks = np.asarray(tensor.data).reshape(n, k // GROUP, -1)[rows]  # [rows, blocks, block bytes]
+    n = blocks.shape[0]
     scale = fp16(blocks, 0)
     if tensor.tensor_type == Q.Q8_0:
         q = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8)).to(torch.int32)
@@ -92,6 +96,8 @@ def gguf_weight(
     def in_hf_order(t: torch.Tensor) -> torch.Tensor:  # [N, ...] GGUF rows -> HF rows
         return t if heads is None else unpermute_qk(t, heads)
 
+    if kind in (Q.Q4_0, Q.Q4_1, Q.Q8_0) and bits == natural_bits(kind) and heads is None:
+        return _exact_in_slices(tensor, shape[0]), None  # a head's table: its int32 codes a slice at a time
     if kind in (Q.Q4_0, Q.Q4_1, Q.Q8_0) and bits == natural_bits(kind):
         q, scale, zero, bits = exact_codes(tensor)
         return quantized_layout.to_blocks(*(in_hf_order(t) for t in (q, scale, zero)), bits), None
@@ -99,6 +105,19 @@ def gguf_weight(
     weight = quantized_layout.quantize(values, bits, GROUP)
     error = (quantized_layout.dequantize(weight) - values).pow(2).mean().sqrt() / values.pow(2).mean().sqrt()
     return weight, Requantized(tensor.name, f"{kind.name} -> int{bits} g{GROUP}", float(error))
+
+
+def _exact_in_slices(tensor: gguf.ReaderTensor, n: int) -> torch.Tensor:
+    """exact_codes in the layout, QUANTIZE_ROWS rows at a time into the result (SmolLM2's Q8_0 table as int32
+    codes whole: 113 MB of temporaries)."""
+    step, whole = quantized_layout.QUANTIZE_ROWS, None
+    for start in range(0, n, step):
+        q, scale, zero, bits = exact_codes(tensor, slice(start, start + step))
+        part = quantized_layout.to_blocks(q, scale, zero, bits)
+        if whole is None:
+            whole = part.new_empty((n // quantized_layout.BLOCK_ROWS, *part.shape[1:]))
+        whole[start // quantized_layout.BLOCK_ROWS :][: part.shape[0]] = part
+    return whole
 
 
 # multiplied as one weight each: the parts of (module, parts)
@@ -132,6 +151,17 @@ class GgufWeights:
         weight, cost = gguf_weight(self.file.tensors[self.names[hf]], heads, bits)
         self.requantized += [cost] if cost is not None else []
         return weight
+
+    def ahead(self, linear: nn.Module, name: str) -> nn.Module | None:
+        """Before loading: the linear with the file's own tensor where the layout takes it (its weight is then
+        not read from the import: the bf16 copy never enters memory), else None."""
+        if linear.bias is not None:
+            return None
+        weight = self._weight(f"{name}.weight", self.heads.get(name.rpartition(".")[2]), self.bits.get(name))
+        if weight is None:
+            return None
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+        return linear
 
     def quantized(self, linear: nn.Module, name: str) -> nn.Module:
         heads = self.heads.get(name.rpartition(".")[2])

@@ -116,6 +116,10 @@ class WeightOnly:
     def report(self) -> None:
         """Nothing to report: every weight is rounded by the same rule."""
 
+    def ahead(self, linear: Linear, name: str) -> nn.Module | None:
+        """Nothing before loading: every weight is rounded from the checkpoint's."""
+        return None
+
     def quantized(self, linear: Linear, name: str) -> nn.Module:
         if self.gpu:  # the Triton kernel (kernels/weight_only_mm.py)
             return GpuWeightOnlyLinear.from_linear(linear, self.bits, self.group, self.dtype)
@@ -135,6 +139,8 @@ class WeightSource(Protocol):
     """What QuantizeOnLoad asks of a weight-only scheme (WeightOnly, gguf_blocks.GgufWeights)."""
 
     def check(self, linear: Linear, name: str) -> None: ...  # before any weight is read
+
+    def ahead(self, linear: Linear, name: str) -> nn.Module | None: ...  # before loading, or None
 
     def quantized(self, linear: Linear, name: str) -> nn.Module: ...  # once its weights are in
 
@@ -186,9 +192,15 @@ class QuantizeOnLoad:
         experts = weight_only is None
         self._weights = quantized_weights(model, scheme, experts)
         self._pending = PendingModules()
+        self.supplied: set[str] = set()  # weights the source gave before loading, not read from the file
         for parent, name, child, full in decoder_targets(model, scheme, experts=experts):
             if weight_only is not None:
                 weight_only.check(child, full)
+                if (ready := weight_only.ahead(child, full)) is not None:
+                    setattr(parent, name, ready)
+                    self.supplied.add(f"{full}.weight")
+                    trim_heap()
+                    continue
             self._pending.add(full, parent, name, {f"{full}.{key}" for key, _ in child.named_parameters()})
 
     def dtype(self, module_key: str, on_disk: torch.dtype, default: torch.dtype) -> torch.dtype:
