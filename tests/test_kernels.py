@@ -70,8 +70,11 @@ def test_swiglu(dtype, shape):
     )
 
 
+SHAPES = [(1, 64, 128, 32), (4, 96, 256, 64), (17, 40, 512, 128), (33, 48, 128, 32), (100, 64, 64, 32)]
+
+
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("m, n, k, group", [(1, 64, 128, 32), (4, 96, 256, 64), (17, 40, 512, 128)])
+@pytest.mark.parametrize("m, n, k, group", SHAPES)
 def test_weight_only_mm(bits, m, n, k, group):
     """int4 / int8 codes (fresh random, the whole code range) with random fp16 scales and zeros: the
     kernel equals the reference (weights rounded to bf16 on a GPU, fp32 under the interpreter) within one
@@ -86,7 +89,7 @@ def test_weight_only_mm(bits, m, n, k, group):
     scales = (torch.rand(n, k // group, device=DEVICE) * 0.02).half()
     zeros = (torch.randn(n, k // group, device=DEVICE) * 0.05).half()
     x = torch.randn(m, k, device=DEVICE).bfloat16()
-    got = weight_only_mm(x, codes, scales, zeros, block_n=32)
+    got = weight_only_mm(x, codes, scales, zeros)  # block_n_for's choice; 33 and 100 rows: tiles of 64
     want = weight_only_mm_reference(x, codes, scales, zeros, rounded=DEVICE == "cuda")
     torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
 

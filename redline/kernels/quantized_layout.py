@@ -121,7 +121,8 @@ def rows_of(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # quantiz
     return rows.to(torch.bfloat16).reshape(*ids.shape, groups * g)
 
 
-QUANTIZE_ROWS = 2048  # rows a quantize() pass takes: a head's fp32 temporaries one slice at a time
+QUANTIZE_ROWS = 2048  # rows a quantize() pass takes (whole blocks): a head's temporaries a slice at a time
+assert QUANTIZE_ROWS % BLOCK_ROWS == 0
 
 
 def quantize(w: torch.Tensor, bits: int, group: int) -> torch.Tensor:  # [N, K] -> the layout

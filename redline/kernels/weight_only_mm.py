@@ -10,10 +10,10 @@ as its bytes: int4 reads 4 bits a weight plus 4 bytes a group, against bf16's 16
 Example, int4, K = 16, G = 8: row n's word 1 holds k = 8 .. 15; its k = 10 is bits 8 .. 11, scaled by
 scales[n, 1]. The int4 words are compressed-tensors' (and quant/int_packing.pack_int32's) packing.
 
-The kernel: a program per block of BLOCK_N rows and BLOCK_M (16) input rows, walking K a group at a time:
-it loads the group's codes (the word of each k, shifted), dequantizes them in fp32 with the group's
-scale and zero, and multiplies x's tile by them with tl.dot into an fp32 accumulator. Rows past M are
-masked. weight_only_mm_reference computes the same in torch (fp32 accumulation).
+The kernel: a program per block of BLOCK_N rows and BLOCK_M (16 to 64) input rows, walking K a group at a
+time: it loads the group's codes (each int4 word once, split into its 8 nibbles), dequantizes them in fp32
+with the group's scale and zero, and multiplies x's tile by them with tl.dot into an fp32 accumulator.
+Rows past M are masked. weight_only_mm_reference computes the same in torch (fp32 accumulation).
 """
 
 from __future__ import annotations

@@ -125,8 +125,9 @@ FUSED = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "u
 
 
 class GgufWeights:
-    """quantization "gguf" (models/quantize.QuantizeOnLoad's weight source): each decoder linear's weight,
-    once loaded from the import, replaced by the file's own tensor in the kernel's layout (gguf_weight), and
+    """quantization "gguf" (models/quantize.QuantizeOnLoad's weight source): each decoder linear's weight is
+    the file's own tensor in the kernel's layout (gguf_weight), installed before loading (`ahead`: the
+    import's copy is not read) where the layout takes it, and
     on the kernel's path (`blocks`) the head by the file's output (or tied token_embd) tensor; what was
     re-quantized is reported once. The parts of a fused weight take one layout, the widest any needs (a
     Q4_K_M file's Q6_K v_proj makes its q and k int8), so that every layer keeps its one-call step. A
@@ -160,6 +161,10 @@ class GgufWeights:
         weight = self._weight(f"{name}.weight", self.heads.get(name.rpartition(".")[2]), self.bits.get(name))
         if weight is None:
             return None
+        if quantized_layout.shape_of(weight) != (linear.out_features, linear.in_features):
+            shape = quantized_layout.shape_of(weight)
+            raise ValueError(f"{self.file.path}: {name} is {shape} in the file, the config makes it "
+                             f"{(linear.out_features, linear.in_features)}")  # fmt: skip
         linear.weight = nn.Parameter(weight, requires_grad=False)
         return linear
 
