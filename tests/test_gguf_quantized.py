@@ -176,3 +176,27 @@ def test_smollm2_int8_on_load_at_real_size_is_its_dequantized_twin():
             module.weight.data.copy_(dequantize(quantize(module.weight.detach().bfloat16(), 8, 32)))
     text = " ".join(m["content"] for c in sharegpt.conversations("held_out")[:20] for m in c.messages)
     close_as_bf16(llm, twin, fp32, llm.tokenizer.encode(text, add_special_tokens=False)[:1000])
+
+
+@kernels
+@smollm2
+def test_smollm2_w4a16_checkpoint_at_real_size_multiplies_what_it_holds(tmp_path):
+    """`redline quantize --scheme int4` of SmolLM2's bf16 import (compressed-tensors, zero points, groups of
+    64: 576 inputs are not whole groups of 128) loads into the one-call layer; over 1,000 ShareGPT tokens its
+    log-probabilities are as close to an fp32 twin holding the weights it multiplies as bf16 is to fp32."""
+    from redline.models.quantized_checkpoint import quantize_checkpoint
+
+    path = smollm2_gguf()
+    imported = gguf_model_dir(path, torch.bfloat16, progress=False)
+    quantize_checkpoint(imported, tmp_path / "w4a16", scheme="int4")
+    llm = LLM(tmp_path / "w4a16", dtype="bfloat16", max_batch=1, max_seq_len=1200)
+    assert all(layer.one_call is cpu_ops.dense_layer_bf16 for layer in llm.model.model.layers)
+    fp32 = gguf_model_dir(path, torch.float32, progress=False)
+    twin = LLM(fp32, dtype="float32", max_batch=1, max_seq_len=1200)
+    for name, module in twin.model.named_modules():
+        if name.rpartition(".")[2] in QUANTIZED:
+            held = llm.model.get_submodule(name).weight
+            assert is_quantized(held) and held.shape[1] in (576 // 64, 1536 // 64), name  # groups of 64
+            module.weight.data.copy_(dequantize(held))
+    text = " ".join(m["content"] for c in sharegpt.conversations("held_out")[:20] for m in c.messages)
+    close_as_bf16(llm, twin, fp32, llm.tokenizer.encode(text, add_special_tokens=False)[:1000])

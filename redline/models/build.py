@@ -174,11 +174,16 @@ def load_target(
     return model.eval()
 
 
+def _blocks(backends: Backends, dtype: torch.dtype) -> bool:
+    """Where weight-only weights take the C++ kernel's layout: the backends pack bf16 weights."""
+    return backends.packed_weights and dtype == torch.bfloat16
+
+
 def _kernel_path(backends: Backends, dtype: torch.dtype, what: str) -> bool:
     """Whether weight-only weights take the C++ kernel's layout (`blocks`): where the backends pack bf16
     weights. Without it int8 and gguf weights are multiplied dequantized, a warned slow path (int4 takes
     torch's int4 kernel)."""
-    blocks = backends.packed_weights and dtype == torch.bfloat16
+    blocks = _blocks(backends, dtype)
     if not blocks and what != "int4":
         why = f"redline: {what} weights without the AVX-512 BF16 kernels (or in {dtype}) are "
         warnings.warn(why + "dequantized at every product: slower than unquantized", stacklevel=4)
@@ -252,7 +257,7 @@ def load_with_draft(
     target = load_target(target_dir, dtype, device, quantization, tp, backends, aux, group_size)
     ints, draft_weights = int_scheme(config.raw), None
     quantized = quantization in WEIGHT_ONLY or ints is not None
-    if quantized and backends.packed_weights and dtype == torch.bfloat16:
+    if quantized and _blocks(backends, dtype):
         bits = ints.bits if ints is not None else 8 if quantization == "int8" else 4
         draft_weights = WeightOnly(bits, group_size, True, dtype)
     return target, load_draft(draft_dir, target, dtype, device, backends, draft_weights)
