@@ -11,6 +11,7 @@ from contextlib import contextmanager
 import uvicorn
 
 from redline.server.app import Server, create_app
+from redline.server.http_timeouts import uvicorn_config
 
 
 @contextmanager
@@ -19,7 +20,9 @@ def live(server: Server) -> Iterator[str]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    runner = uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning"))
+    config = uvicorn_config(create_app(server), server.metrics, server.read_timeout_s, keep_alive_s=5,
+                            log_level="warning")  # fmt: skip
+    runner = uvicorn.Server(config)
     thread = threading.Thread(target=runner.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.time() + 30

@@ -98,7 +98,7 @@ def test_a_request_the_server_fails_is_counted_not_fatal(served, trained, tmp_pa
         "--num-prompts 5 --max-concurrency 1 --max-output-tokens 8 --ignore-eos",
     )
     assert (result["completed"], result["failed"]) == (4, 1)
-    assert "injected prefill failure" in result["errors"][0]
+    assert "prefill failed (request id" in result["errors"][0]  # the cause is in the server's log only
 
 
 def test_rejected_and_unreachable_requests_fail_alone(served):

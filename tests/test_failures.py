@@ -186,8 +186,8 @@ def served(model_dir):
         yield server, url
 
 
-def sse_lines(http: httpx.Client, path: str, body: dict) -> list[str]:
-    with http.stream("POST", path, json=body | {"stream": True}) as response:
+def sse_lines(http: httpx.Client, path: str, body: dict, headers: dict | None = None) -> list[str]:
+    with http.stream("POST", path, json=body | {"stream": True}, headers=headers) as response:
         assert response.status_code == 200
         return [line for line in response.iter_lines() if line]
 
@@ -196,15 +196,20 @@ def test_server_fails_only_the_request_whose_prefill_raised(served, monkeypatch)
     server, url = served
     fail_prefill_of(monkeypatch, server.llm, BAD, torch.OutOfMemoryError(OOM))
     bad, good = {"model": MODEL, "prompt": BAD, "max_tokens": 8}, {"model": MODEL, "prompt": GOOD[0]}
-    message = f"prefill failed: OutOfMemoryError: {OOM}"
-    error = {"message": message, "type": "server_error", "param": None, "code": 500}
+
+    def error(request_id: str) -> dict:  # what failed and the request, not the exception's text (logged)
+        message = f"prefill failed: out of memory (request id {request_id}; the server's log has the details)"
+        return {"message": message, "type": "server_error", "param": None, "code": 500}
+
     with httpx.Client(base_url=url, timeout=60) as http:
         for _ in range(2):  # max_queue is 1: a leaked queue place would make the second round a 429
             response = http.post("/v1/completions", json=bad)
-            assert response.status_code == 500 and response.json()["error"] == error
+            assert response.status_code == 500
+            assert response.json()["error"] == error(response.headers["x-request-id"])
 
-            *_, last_event, done = sse_lines(http, "/v1/completions", bad)
-            assert json.loads(last_event.removeprefix("data: "))["error"] == error and done == "data: [DONE]"
+            *_, last_event, done = sse_lines(http, "/v1/completions", bad, {"x-request-id": "stream-1"})
+            streamed = json.loads(last_event.removeprefix("data: "))
+            assert streamed["error"] == error("stream-1") and done == "data: [DONE]"
 
             ok = http.post("/v1/completions", json=good | {"max_tokens": 4, "ignore_eos": True})
             assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
@@ -279,8 +284,9 @@ def test_health_is_503_once_the_engine_loop_dies_and_its_open_requests_fail(mode
 
         monkeypatch.setattr(server.metrics.slots_in_use, "set", broken)
         *_, last_event, done = sse_lines(http, "/v1/completions", body)
-        died = "the engine loop died: RuntimeError: injected"
-        assert json.loads(last_event.removeprefix("data: "))["error"]["message"] == died
+        died = "the engine loop died"  # the exception's text goes to the log only
+        message = json.loads(last_event.removeprefix("data: "))["error"]["message"]
+        assert message.startswith(f"{died} (request id req-") and "injected" not in message
         assert done == "data: [DONE]"
         health = http.get("/health")
         assert health.status_code == 503
@@ -290,7 +296,7 @@ def test_health_is_503_once_the_engine_loop_dies_and_its_open_requests_fail(mode
                       "param": None, "code": 503},
         }  # fmt: skip
         refused = http.post("/v1/completions", json=body)
-        assert refused.status_code == 503 and died in refused.json()["error"]["message"]
+        assert refused.status_code == 503 and refused.json()["error"] == health.json()["error"]
     assert not server.llm.engine.has_work and server.engine.queue_depth == 0
 
 
@@ -312,11 +318,15 @@ def test_health_is_503_after_a_device_unusable_error(model_dir, monkeypatch):
     with live(server) as url, httpx.Client(base_url=url, timeout=60) as http:
         assert http.get("/health").status_code == 200
         failed = http.post("/v1/completions", json={"model": MODEL, "prompt": GOOD[0], "max_tokens": 4})
-        assert failed.status_code == 500 and ILLEGAL in failed.json()["error"]["message"]
+        assert failed.status_code == 500
+        assert failed.json()["error"]["message"].startswith("decode step failed (request id")
         health = http.get("/health")
-        assert health.status_code == 503 and "the device is unusable" in health.json()["error"]["message"]
+        unusable = "the engine cannot serve: the device is unusable"
+        assert health.status_code == 503 and health.json()["error"]["message"] == unusable
         refused = http.post("/v1/completions", json={"model": MODEL, "prompt": GOOD[0]})
-        assert refused.status_code == 503 and ILLEGAL in refused.json()["error"]["message"]
+        assert refused.status_code == 503 and refused.json()["error"]["message"] == unusable
+        assert ILLEGAL not in failed.text + health.text + refused.text  # the log has it
+        assert ILLEGAL in server.engine.problem()
 
 
 @pytest.fixture()
@@ -359,12 +369,14 @@ def test_unexpected_errors_are_500_json_and_generation_errors_are_logged(served,
     monkeypatch.setattr(server.metrics, "registry", None)  # /metrics cannot render
     response = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=60)
     assert response.status_code == 500
+    request_id = response.headers["x-request-id"]
     assert response.json()["error"] == {
-        "message": "internal server error: KeyError: 'injected'", "type": "server_error", "param": None,
-        "code": 500,
+        "message": f"internal server error (request id {request_id}; the server's log has the details)",
+        "type": "server_error", "param": None, "code": 500,
     }  # fmt: skip
     logged = [r for r in caplog.records if r.name == "redline.server" and r.exc_info]
-    assert "injected" in str(logged[-1].exc_info[1]) and "POST /v1/completions" in logged[-1].getMessage()
+    assert "injected" in str(logged[-1].exc_info[1])
+    assert f"{request_id} (POST /v1/completions)" in logged[-1].getMessage()
     metrics = httpx.get(url + "/metrics")
     assert metrics.status_code == 500 and metrics.json()["error"]["type"] == "server_error"
     monkeypatch.undo()

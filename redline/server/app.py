@@ -6,10 +6,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import hmac
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -25,29 +24,40 @@ from redline.sampling import ParamError
 from redline.server import protocol
 from redline.server.engine_loop import EngineLoop, EngineUnavailable, Event, QueueFull
 from redline.server.errors import APIError, internal
+from redline.server.guard import Guard
+from redline.server.http_timeouts import timeout_answer
+from redline.server.json_body import parse_json
 from redline.server.metrics import Metrics
-from redline.server.responses import Choice, Responder, error_event, sse
+from redline.server.responses import Choice, Responder, sse
 from redline.server.schema import openapi_schema
+from redline.server.web_policy import WebPolicy
 from redline.structured.grammar import StructuredError
 from redline.tokenizer import TokenizerError
 from redline.tool_calls.formats import format_for, template_format
 from redline.tool_calls.tool_use import ToolUse, template_messages
 
 MAX_BODY_BYTES = 1 << 20
+LOOPBACK = WebPolicy()  # a server on 127.0.0.1: loopback Host names, no web origins
 DISCONNECT_POLL_S = 1.0
 
 log = logging.getLogger("redline.server")
 EventQueue = asyncio.Queue[tuple[Choice, Event]]  # a request's events, each with the choice it is of
+Failure = Callable[[str], APIError]  # the engine's message on a failed request -> what its client hears
 
 
 class Server:
-    """The app's state: the engine loop, the served model's name, limits, metrics."""
+    """The app's state: the engine loop, the served model's name, limits, metrics, who may call it."""
 
     def __init__(self, llm: LLM, model_name: str, api_key: str | None = None, max_queue: int = 64,
-                 tool_format: str | None = None):  # fmt: skip
+                 tool_format: str | None = None, metrics_api_key: str | None = None,
+                 policy: WebPolicy = LOOPBACK, read_timeout_s: float = 30.0):  # fmt: skip
         """tool_format: how the model writes tool calls ("llama3_json", "pythonic"; None: the one its chat
-        template writes, else its family's: tool_calls/formats.py)."""
+        template writes, else its family's: tool_calls/formats.py). api_key: required on every path but
+        /health; metrics_api_key: /metrics' own (else api_key). policy: the Host, Origin and Content-Type
+        rules (server/web_policy.py; by default a loopback server's). read_timeout_s: a request body's
+        deadline (its headers': serve.py)."""
         self.llm, self.model_name, self.api_key = llm, model_name, api_key
+        self.metrics_api_key, self.policy, self.read_timeout_s = metrics_api_key, policy, read_timeout_s
         self.tool_format = format_for(llm.model_config.family, tool_format, template_format(llm.tokenizer))
         self.metrics = Metrics()
         self.engine = EngineLoop(llm, max_queue, on_step=self._gauges)
@@ -59,27 +69,32 @@ class Server:
         self.metrics.slots_in_use.set(stats.running)
         self.metrics.count_prefix_cache(stats.prefix_cache)
 
-    def check_key(self, http: Request) -> None:
-        if self.api_key is None:
-            return
-        given = http.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
-            message = "missing or wrong API key (Authorization: Bearer KEY)"
-            raise APIError(401, message, kind="authentication_error")
-
     async def read_json(self, http: Request) -> Any:
-        """The request's JSON body, once its API key is checked; a body over MAX_BODY_BYTES is a 413."""
-        self.check_key(http)
+        """The request's JSON body (server/json_body.py's bounds); a body over MAX_BODY_BYTES is a 413,
+        one not in within read_timeout_s a 408."""
         declared = http.headers.get("content-length", "")
         too_big = APIError(413, f"request body over {MAX_BODY_BYTES} bytes")
         if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
             raise too_big
-        body = bytearray()
-        async for chunk in http.stream():
-            body += chunk
-            if len(body) > MAX_BODY_BYTES:
-                raise too_big
-        return protocol.parse_json(bytes(body))
+
+        async def read() -> bytes:
+            body = bytearray()
+            async for chunk in http.stream():
+                body += chunk
+                if len(body) > MAX_BODY_BYTES:
+                    raise too_big
+            return bytes(body)
+
+        try:
+            return parse_json(await asyncio.wait_for(read(), self.read_timeout_s))
+        except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11)
+            raise timeout_answer(self.read_timeout_s, "body") from None
+
+    def engine_failure(self, request_id: str, detail: str) -> APIError:
+        """A request the engine failed, as its client hears it: what failed, without the cause's text
+        (an exception's, which may name paths and ports), and the request id it is logged under."""
+        log.error("request %s failed in the engine: %s", request_id, detail)
+        return internal(request_id, summary(detail))
 
     def choices(self, parsed: protocol.Parsed) -> list[Choice]:
         """Templates and tokenizes a parsed body into one engine request per choice (slow: run it off the
@@ -109,8 +124,9 @@ class Server:
                 except ParamError as e:  # logit_bias, allowed_token_ids, bad_words
                     raise APIError(400, str(e), e.param) from e
                 except ValueError as e:
-                    param = "max_tokens" if "context window" in str(e) else "prompt"
-                    raise APIError(400, str(e), param) from e
+                    too_long = "context window" in str(e)
+                    raise APIError(400, str(e), "max_tokens" if too_long else "prompt",
+                                   reason="too_long" if too_long else "bad_field") from e  # fmt: skip
                 choices.append(Choice(i * parsed.n + j, request, echo, tools=parsed.tools))
         return choices
 
@@ -159,15 +175,28 @@ class Server:
                 self.engine.cancel(choice.request)
 
 
+def summary(problem: str) -> str:
+    """An engine problem without its cause: the engine words them "what: cause" ("prefill failed:
+    OutOfMemoryError: ...", "the engine loop died: RankLostError: ..."); the log has the whole. Running
+    out of memory is said, as the one cause a client can act on (fewer tokens, later)."""
+    what = problem.split(": ", 1)[0]
+    return f"{what}: out of memory" if what != problem and "out of memory" in problem.lower() else what
+
+
 def unavailable(problem: str) -> APIError:
-    return APIError(503, f"the engine cannot serve: {problem}", kind="service_unavailable")
+    return APIError(503, f"the engine cannot serve: {summary(problem)}", kind="service_unavailable")
 
 
 async def sse_events(
-    events: EventQueue, responder: Responder, choices: list[Choice], include_usage: bool
+    events: EventQueue,
+    responder: Responder,
+    choices: list[Choice],
+    include_usage: bool,
+    failure: Failure,
 ) -> AsyncIterator[str]:
     """The server-sent events of every choice up to the last (without [DONE]); a failed request ends
-    with an OpenAI-style error event. With echo, a choice's first chunk is its prompt."""
+    with an OpenAI-style error event (failure(the engine's message)). With echo, a choice's first chunk is
+    its prompt."""
     if responder.chat:
         for choice in choices:
             yield responder.chunk(choice, "", role=True)
@@ -175,7 +204,7 @@ async def sse_events(
     while len(completions) < len(choices):
         choice, event = await events.get()
         if event.error:
-            yield error_event(event.error)
+            yield sse(failure(event.error).body())
             return
         if choice.echo is not None and not choice.started:
             asked = choice.request.params.logprobs is not None  # (max_tokens 0 computes them regardless)
@@ -220,21 +249,26 @@ def create_app(server: Server, start_engine: bool = True) -> FastAPI:
         max_model_len=server.llm.max_seq_len,
         vocab_size=server.llm.model_config.vocab_size,
     )
-    for error in (APIError, HTTPException, RequestValidationError, Exception):
+    for error in (APIError, HTTPException, RequestValidationError):
         app.add_exception_handler(error, _error_response)
     app.include_router(routes)
+    endpoints = [route.path for route in routes.routes] + [app.openapi_url]  # type: ignore[attr-defined]
+    app.add_middleware(Guard, metrics=server.metrics, policy=server.policy, endpoints=endpoints,
+                       api_key=server.api_key, metrics_api_key=server.metrics_api_key)  # fmt: skip
     return app
 
 
-async def _error_response(_: Request, e: Exception) -> JSONResponse:
-    """Every error as OpenAI-style JSON; any other exception is a bug outside generate(): a 500 (Starlette
-    re-raises it, and uvicorn logs it)."""
+async def _error_response(http: Request, e: Exception) -> JSONResponse:
+    """Every error as OpenAI-style JSON, a refusal's (4xx) reason left for the Guard to count. (Any other
+    exception is a bug: the Guard answers it with a 500 naming the request.)"""
     if isinstance(e, HTTPException):
         e = APIError(e.status_code, str(e.detail), headers=e.headers)
     elif isinstance(e, RequestValidationError):
-        e = APIError(400, str(e))
-    error = e if isinstance(e, APIError) else internal(e)
-    return JSONResponse(error.body(), error.status, headers=error.headers)
+        e = APIError(400, str(e), reason="bad_field")
+    assert isinstance(e, APIError)
+    if e.status < 500:
+        http.state.rejection = e.reason
+    return JSONResponse(e.body(), e.status, headers=e.headers)
 
 
 routes = APIRouter()
@@ -244,7 +278,7 @@ def _server(http: Request) -> Server:
     return http.app.state.server
 
 
-@routes.get("/health")
+@routes.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with either
 async def health(http: Request) -> Response:
     """200 while the engine loop runs on a usable device; 503 with the reason otherwise."""
     problem = _server(http).engine.problem()
@@ -262,7 +296,6 @@ async def metrics(http: Request) -> Response:
 @routes.get("/v1/models")
 async def models(http: Request) -> dict:
     server = _server(http)
-    server.check_key(http)
     card = {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "redline",
             "max_model_len": server.llm.max_seq_len}  # fmt: skip
     return {"object": "list", "data": [card]}
@@ -304,27 +337,22 @@ async def chat_completions(http: Request) -> Response:
 async def _generate(http: Request, chat: bool) -> Response:
     server = _server(http)
     llm, name = server.llm, server.model_name
-    try:
-        data = await server.read_json(http)
-        parsed = protocol.parse_request(data, chat, name, llm.max_seq_len, llm.model_config.vocab_size,
-                                        server.tool_format)  # fmt: skip
-        choices = await asyncio.to_thread(server.choices, parsed)
-        events = server.submit(choices)
-        responder = Responder(chat, name, llm.tokenizer)
-        if parsed.stream:
-            stream = _stream(server, choices, events, responder, parsed.include_usage)
-            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
-        return JSONResponse(responder.full(choices, await _collect(server, http, choices, events)))
-    except APIError:
-        raise
-    except Exception as e:  # a bug: logged here, the client gets a 500 JSON error
-        log.exception("%s %s failed", http.method, http.url.path)
-        raise internal(e) from e
+    data = await server.read_json(http)
+    parsed = protocol.parse_request(data, chat, name, llm.max_seq_len, llm.model_config.vocab_size,
+                                    server.tool_format)  # fmt: skip
+    choices = await asyncio.to_thread(server.choices, parsed)
+    events = server.submit(choices)
+    responder = Responder(chat, name, llm.tokenizer)
+    failure = functools.partial(server.engine_failure, http.state.request_id)
+    if parsed.stream:
+        stream = _stream(server, choices, events, responder, parsed.include_usage, failure)
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+    return JSONResponse(responder.full(choices, await _collect(server, http, choices, events, failure)))
 
 
 async def _collect(
-    server: Server, http: Request, choices: list[Choice], events: EventQueue
+    server: Server, http: Request, choices: list[Choice], events: EventQueue, failure: Failure
 ) -> list[Completion]:
     """Every choice's completion, in choice order; a failed one fails the response (500)."""
     done: dict[int, Completion] = {}
@@ -337,7 +365,7 @@ async def _collect(
                     raise asyncio.CancelledError from None
                 continue
             if event.error:
-                raise APIError(500, event.error, kind="server_error")
+                raise failure(event.error)
             if event.completion is not None:
                 done[choice.index] = event.completion
         return [done[c.index] for c in choices]
@@ -346,14 +374,18 @@ async def _collect(
 
 
 async def _stream(
-    server: Server, choices: list[Choice], events: EventQueue, responder: Responder, include_usage: bool
+    server: Server,
+    choices: list[Choice],
+    events: EventQueue,
+    responder: Responder,
+    include_usage: bool,
+    failure: Failure,
 ) -> AsyncIterator[str]:
     try:
-        async for piece in sse_events(events, responder, choices, include_usage):
+        async for piece in sse_events(events, responder, choices, include_usage, failure):
             yield piece
-    except Exception as e:  # the status line is sent: the error goes in the stream
-        log.exception("streaming a response failed")
-        yield sse(internal(e).body())
+    except Exception as e:  # the status line is sent: the error goes in the stream, the cause in the log
+        yield sse(failure(f"streaming the response failed: {type(e).__name__}: {e}").body())
     finally:  # the client went away mid-stream (or a choice failed): free the slots
         server.cancel(choices)
     yield "data: [DONE]\n\n"

@@ -32,6 +32,14 @@ class Metrics:
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.prefix_evictions = counter("prefix_cache_evictions", "Cached KV blocks evicted for room")
+        self.http = counter("http_requests", "HTTP answers by endpoint (a route, or other) and status",
+                            "endpoint", "status")  # fmt: skip
+        self.rejections = counter(
+            "rejections",
+            "Requests refused, by reason (queue_full, too_long, "
+            "bad_field, bad_json, not_json, host, origin, read_timeout, ...)",
+            "reason",
+        )
         self._prefix_seen = PrefixStats()
 
     def count_prefix_cache(self, stats: PrefixStats) -> None:

@@ -13,7 +13,6 @@ output's fields live in server/structured_fields.py.
 from __future__ import annotations
 
 import functools
-import json
 import operator
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
@@ -246,13 +245,6 @@ class DetokenizeRequest(Body):
 M = TypeVar("M", bound=BaseModel)
 
 
-def parse_json(body: bytes) -> Any:
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"request body is not valid JSON: {e}") from e
-
-
 def _param(loc: tuple[int | str, ...]) -> str:
     """The field an error is at: ("messages", 0, "content", "a list", 1, "type") -> "messages[0].content[1].
     type": field names and list indices; the names of union forms ("a list", "str", "list[int]") are left
@@ -276,7 +268,8 @@ def parse(model: type[M], data: Any) -> M:
         error = e.errors(include_url=False)[0]
         param = _param(error["loc"])
         message = error["msg"].removeprefix("Value error, ")
-        raise APIError(400, f"{param}: {message}" if param else message, param or None) from None
+        raise APIError(400, f"{param}: {message}" if param else message, param or None,
+                       reason="bad_field") from None  # fmt: skip
 
 
 def check_model(given: str | None, served: str) -> None:
@@ -353,7 +346,7 @@ def parse_request(
     check_token_ids([int(t) for t in body.logit_bias or {}], "logit_bias", vocab_size)
     check_token_ids(body.allowed_token_ids or [], "allowed_token_ids", vocab_size)
     if max_tokens is not None and max_tokens > context:
-        raise invalid(key, f"must be at most the context window ({context}), got {max_tokens}")
+        raise invalid(key, f"must be at most the context window ({context}), got {max_tokens}", "too_long")
     default = context if chat else 16  # OpenAI: chat runs to the context limit, completions default to 16
     structured, structured_field = body.structured()
     tools = body.tool_use(tool_format) if isinstance(body, ChatCompletionRequest) else None

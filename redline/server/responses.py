@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from redline.engine.request import Completion
 from redline.engine.request import Request as EngineRequest
 from redline.logprobs import TokenLogprob
-from redline.server.errors import APIError
 from redline.tokenizer import Tokenizer
 from redline.tool_calls.formats import ToolCall
 from redline.tool_calls.tool_use import ToolStream, ToolUse
@@ -136,7 +135,3 @@ class Responder:
 
 def sse(body: dict) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-
-def error_event(message: str) -> str:
-    return sse(APIError(500, message, kind="server_error").body())

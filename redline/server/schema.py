@@ -170,8 +170,10 @@ class Health(Reply):
     status: Literal["ok"]
 
 
-ERRORS = {400: "invalid request", 401: "missing or wrong API key", 404: "unknown model",
-          413: "request body too large", 429: "request queue full (Retry-After)",
+ERRORS = {400: "invalid request", 401: "missing or wrong API key",
+          403: "Host or Origin not allowed (server/web_policy.py)", 404: "unknown model",
+          408: "request not received within the read timeout", 413: "request body too large",
+          415: "request body not application/json", 429: "request queue full (Retry-After)",
           500: "internal error", 503: "the engine cannot serve"}  # fmt: skip
 Model = type[BaseModel] | None
 # path, method, summary, request body, 200's body, its server-sent event (stream: true), error statuses
@@ -184,9 +186,9 @@ OPERATIONS: list[tuple[str, str, str, Model, Model, Model, tuple[int, ...]]] = [
      tuple(ERRORS)),
     ("/detokenize", "post", "Text of token ids", protocol.DetokenizeRequest, DetokenizeResponse, None,
      tuple(ERRORS)),
-    ("/v1/models", "get", "The served model", None, ModelList, None, (401, 500)),
-    ("/health", "get", "Engine health", None, Health, None, (500, 503)),
-    ("/metrics", "get", "Prometheus metrics (text/plain)", None, None, None, (500,)),
+    ("/v1/models", "get", "The served model", None, ModelList, None, (401, 403, 500)),
+    ("/health", "get", "Engine health", None, Health, None, (403, 500, 503)),
+    ("/metrics", "get", "Prometheus metrics (text/plain)", None, None, None, (401, 403, 500)),
 ]  # fmt: skip
 
 

@@ -52,6 +52,8 @@ def serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from redline.server.app import Server, create_app
+        from redline.server.http_timeouts import uvicorn_config
+        from redline.server.web_policy import WebPolicy
     except ImportError as e:
         raise ValueError(f"redline serve needs fastapi, uvicorn and prometheus-client ({e}); "
                          "pip install 'redline[serve]'") from e  # fmt: skip
@@ -68,16 +70,23 @@ def serve(args: argparse.Namespace) -> int:
         log.info("warm-up: every prefill and step shape compiled in %.1f s", llm.warmup_s)
     name = args.served_model_name or served_name(model)
     api_key = args.api_key or os.environ.get("REDLINE_API_KEY")
-    server = Server(llm, name, api_key, max_queue=args.max_queue, tool_format=args.tool_call_parser)
+    metrics_key = args.metrics_api_key or os.environ.get("REDLINE_METRICS_API_KEY")
+    policy = WebPolicy.for_bind(args.host, args.allowed_hosts, args.allowed_origins)
+    if not policy.loopback_only and not policy.allowed_hosts and not api_key:
+        exposed = "anyone who can reach it may use it, and web pages can read its GET answers (DNS rebinding)"
+        log.warning("listening on %s with neither --api-key nor --allowed-hosts: %s", args.host, exposed)
+    server = Server(llm, name, api_key, max_queue=args.max_queue, tool_format=args.tool_call_parser,
+                    metrics_api_key=metrics_key, policy=policy,
+                    read_timeout_s=args.request_read_timeout)  # fmt: skip
     log.info(
         "serving %s as %r on http://%s:%d (%s: %d slots, speculation %s, context %d tokens)",
         model, name, args.host, args.port, scheduler.mode, scheduler.slots,
         f"K={llm.num_draft_tokens}" if config.speculation else "off", llm.max_seq_len,
     )  # fmt: skip
     app = create_app(server, start_engine=False)
-    listen = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5
-    )
+    listen = uvicorn_config(app, server.metrics, args.request_read_timeout, args.keep_alive_timeout,
+                            host=args.host, port=args.port, log_level="warning",
+                            timeout_graceful_shutdown=5)  # fmt: skip
     http = uvicorn.Server(listen)  # on a second thread it leaves signals alone: Ctrl-C reaches main
 
     def run_http() -> None:
@@ -120,7 +129,22 @@ def add_parser(sub) -> None:
     http.add_argument("--tool-call-parser", choices=parsers, default=None, help=help)
     http.add_argument("--host", default="127.0.0.1")
     http.add_argument("--port", type=int, default=8000)
-    http.add_argument("--api-key", help="require Authorization: Bearer KEY (or REDLINE_API_KEY)")
+    http.add_argument(
+        "--api-key", help="require Authorization: Bearer KEY on every path but /health (or REDLINE_API_KEY)"
+    )
+    help = "the key /metrics takes instead of --api-key (or REDLINE_METRICS_API_KEY); with neither, "
+    help += "/metrics is open (it exposes counts and latencies, no request content)"
+    http.add_argument("--metrics-api-key", help=help)
+    help = "Host names answered besides loopback ones when bound to a loopback address; bound elsewhere, "
+    help += "the only ones answered if given ('*': any)"
+    http.add_argument("--allowed-hosts", nargs="+", default=[], metavar="HOST", help=help)
+    help = "web origins answered, with CORS headers (e.g. http://localhost:3000; '*': any); by default "
+    help += "none: a request a browser marks with an Origin is refused"
+    http.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN", help=help)
+    help = "seconds a request's headers, and then its body, may take to arrive (408 after)"
+    http.add_argument("--request-read-timeout", type=float, default=30.0, metavar="S", help=help)
+    help = "seconds an idle keep-alive connection stays open"
+    http.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="S", help=help)
     help = "model id clients send (default: the directory's name, a hub id itself)"
     http.add_argument("--served-model-name", help=help)
     s.set_defaults(func=serve)

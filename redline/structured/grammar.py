@@ -14,6 +14,7 @@ structured output, so the engine runs without it.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING
@@ -101,8 +102,18 @@ class GrammarCompiler:
             return c.compile_grammar(spec.grammar)
         except Exception as error:  # xgrammar raises RuntimeError / ValueError / its own kinds
             kind = spec.key[0].replace("_strict", "")
-            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise StructuredError(f"the structured output's {kind} does not compile: {first_line}") from error
+            message = f"the structured output's {kind} does not compile: {_said(error)}"
+            raise StructuredError(message) from error
+
+
+def _said(error: Exception) -> str:
+    """What xgrammar's error says, without where in its sources it was raised: '[13:40:37]
+    /project/cpp/regex_converter.cc:94: Regex parsing error at position 3: ...' -> 'Regex parsing error at
+    position 3: ...'."""
+    lines = str(error).strip().splitlines()
+    if not lines:
+        return type(error).__name__
+    return re.sub(r"^\[[0-9:]+\] \S+:\d+: ", "", lines[0])
 
 
 # xgrammar 0.2.9 writes a string with minLength / maxLength as repetitions of this character class, which
