@@ -66,9 +66,11 @@ class Guard:
         async def send_with_headers(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
-                status = message["status"]
                 message["headers"] = [*message.get("headers", []), *extra]
-            await send(message)
+                await send(message)
+                status = message["status"]  # once sent: a start that failed is not an answer
+            else:
+                await send(message)
 
         try:
             refusal = self._refusal(scope, headers)
@@ -79,7 +81,9 @@ class Guard:
                 await _answer(send_with_headers, 204, None, _preflight_answer(headers))
             else:
                 await self.app(scope, receive, send_with_headers)
-        except (ClientDisconnect, asyncio.CancelledError):  # the client left mid-request: no answer to give
+        except ClientDisconnect:  # the client left mid-request: no answer to give, nothing failed
+            status = status or 499
+        except asyncio.CancelledError:  # (a disconnect seen while waiting on the engine)
             status = status or 499
             raise
         except Exception:

@@ -60,6 +60,9 @@ def timed_h11(read_timeout_s: float, refused: Refused = lambda error: None) -> t
             super().connection_lost(exc)
 
         def send_400_response(self, msg: str) -> None:
+            if self.conn.our_state is not h11.IDLE:  # an answer is under way or sent (a bad chunk later)
+                self.transport.close()
+                return
             self._answer(APIError(400, f"malformed HTTP request: {msg}", reason="bad_http"))
 
         def _app_has_request(self) -> bool:
