@@ -152,6 +152,13 @@ TINY_DRAFT = DraftRecipe(
 
 
 @pytest.fixture(scope="session")
+def tied_llama_dir(tmp_path_factory, tokenizer_dir) -> Path:
+    """A random Llama 3 with tied embeddings (seed 0) as an HF checkpoint: the server tests' model."""
+    hf = build_hf_model(llama3_hf_config(tie_word_embeddings=True), seed=0)
+    return save_hf_model(hf, tmp_path_factory.mktemp("tied_llama"), tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
 def trained(tmp_path_factory) -> Path:
     """A tiny target trained on the standard library, and its draft trained by TTT."""
     root = tmp_path_factory.mktemp("trained")

@@ -48,11 +48,8 @@ def tiny_llm(model_dir: Path, max_batch: int = 4) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tokenizer_dir) -> Path:
-    from conftest import build_hf_model, llama3_hf_config, save_hf_model
-
-    hf = build_hf_model(llama3_hf_config(tie_word_embeddings=True), seed=0)
-    return save_hf_model(hf, tmp_path_factory.mktemp("failures"), tokenizer_dir)
+def model_dir(tied_llama_dir) -> Path:
+    return tied_llama_dir
 
 
 @pytest.fixture(scope="module")

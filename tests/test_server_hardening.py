@@ -12,7 +12,6 @@ import select
 import socket
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -26,7 +25,7 @@ from live_server import live  # noqa: E402
 
 from redline import LLM  # noqa: E402
 from redline.failures import DeviceUnusableError  # noqa: E402
-from redline.server.app import Server  # noqa: E402
+from redline.server.app import MAX_BODY_BYTES, Server  # noqa: E402
 from redline.server.engine_loop import QueueFull  # noqa: E402
 from redline.server.json_body import MAX_DEPTH, MAX_INTEGER_DIGITS  # noqa: E402
 
@@ -44,16 +43,8 @@ JSON = {"content-type": "application/json"}
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tokenizer_dir) -> Path:
-    from conftest import build_hf_model, llama3_hf_config, save_hf_model
-
-    hf = build_hf_model(llama3_hf_config(tie_word_embeddings=True), seed=0)
-    return save_hf_model(hf, tmp_path_factory.mktemp("hardening"), tokenizer_dir)
-
-
-@pytest.fixture(scope="module")
-def server(model_dir) -> Server:
-    llm = LLM(model_dir, dtype="float32", max_batch=4, max_seq_len=128)
+def server(tied_llama_dir) -> Server:
+    llm = LLM(tied_llama_dir, dtype="float32", max_batch=4, max_seq_len=128)
     return Server(llm, MODEL, read_timeout_s=READ_TIMEOUT_S)
 
 
@@ -169,7 +160,7 @@ def test_foreign_host_names_are_refused_on_loopback(http):
     assert metric(http, "redline_rejections_total", reason="host") == before + len(FOREIGN_HOSTS)
 
 
-def test_allowed_hosts_widen_the_loopback_default(model_dir, server):
+def test_allowed_hosts_widen_the_loopback_default(server):
     from redline.server.web_policy import WebPolicy
 
     widened = Server(server.llm, MODEL, policy=WebPolicy.for_bind("127.0.0.1", ["llm.lan"]))
@@ -435,3 +426,18 @@ def test_raw_bodies_never_get_a_5xx(http, case):
     if response.status_code >= 400:
         error = response.json()["error"]
         assert isinstance(error["message"], str) and isinstance(error["code"], int)
+
+
+def test_bodies_near_the_size_limit_are_read_whole(http, server):
+    """Real-size bodies through the bounds' walk: 100,000 token ids (about 470 KB) and a prompt of about
+    800 KB of text, each answered as the tokenizer answers it; one string more is a 413."""
+    tokenizer, vocab = server.llm.tokenizer, server.llm.model_config.vocab_size
+    ids = [(7 * i) % vocab for i in range(100_000)]
+    body = json.dumps({"model": MODEL, "tokens": ids})
+    assert 400_000 < len(body) < MAX_BODY_BYTES
+    answer = post(http, "/detokenize", body)
+    assert answer.status_code == 200 and answer.json()["prompt"] == tokenizer.decode(ids)
+    text = " ".join(f"word{i % 977}" for i in range(100_000))
+    answer = post(http, "/tokenize", json.dumps({"model": MODEL, "prompt": text}))
+    assert answer.status_code == 200 and answer.json()["tokens"] == tokenizer.encode(text)
+    assert post(http, "/tokenize", json.dumps({"prompt": text * 2})).status_code == 413
