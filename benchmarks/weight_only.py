@@ -12,8 +12,9 @@ cache holds them). Candidates:
 - int8 with per-channel scales, torch._weight_int8pack_mm (torchao's int8 weight-only CPU path);
 - int4 with groups of 32 and 64 (asymmetric: a scale and a zero per group), torch's tinygemm layout
   (_convert_weight_to_int4pack_for_cpu, _weight_int4pack_mm_for_cpu: torchao's int4 weight-only CPU path);
-- redline's grouped int4 and int8 C++ kernel (kernels/quantized_layout.py: fp16 scale and zero per group of
-  32, csrc/quantized_rows_bf16.cpp), what `--quantization int4|int8` runs on AVX-512 BF16 CPUs.
+- redline's grouped int4 and int8 C++ kernels (kernels/quantized_layout.py: fp16 scale and zero per group
+  of 32; csrc/quantized_rows_bf16.cpp, csrc/int8_rows_vnni.cpp), what `--quantization int4|int8` runs on
+  AVX-512 BF16 CPUs.
 A K of 576 takes no groups of 128. Per candidate: microseconds per product (the median over rounds) and
 the weight bytes it read per second, against the read bandwidth measured in the same run.
 """

@@ -20,7 +20,7 @@ from redline.models.build import load_target
 from redline.models.gguf import gguf_model_dir, smollm2_gguf
 from redline.train.random_init import write_random_draft
 
-pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="needs AVX-512 BF16, a C++ compiler and ninja")
+pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="needs AVX-512 BF16 and VNNI, C++ and ninja")
 
 
 def bf16_tolerance(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [M, K], [N, K] -> [M, N]

@@ -133,7 +133,7 @@ def test_every_layer_is_built_with_the_triton_kernels_on_cuda(dtype, tiles):
     assert all(m.step_kernel is None and m.prefill_kernel is None for m in attention)
 
 
-@pytest.mark.skipif(not cpu_ops.available(), reason="needs AVX-512 BF16, a C++ compiler and ninja")
+@pytest.mark.skipif(not cpu_ops.available(), reason="needs AVX-512 BF16 and VNNI, C++ and ninja")
 def test_the_cpu_kernels_build_where_they_can():
     """Where they can build, they do: a source that does not compile makes load() warn and return False,
     which would otherwise only skip the kernels' own tests."""

@@ -16,7 +16,7 @@ from redline.layers.backends import Backends
 from redline.models.llama import DecoderLayer, LlamaForCausalLM
 from redline.models.quantize import QUANTIZED, WeightOnly
 
-pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="needs AVX-512 BF16, a C++ compiler and ninja")
+pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="needs AVX-512 BF16 and VNNI, C++ and ninja")
 
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3)
 # Llama 4 text layers without MoE, q/k norm or query temperature, every layer rotary, chunks of 64 positions

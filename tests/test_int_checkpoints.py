@@ -30,7 +30,7 @@ from redline.quant.int_packing import awq_unpack, pack_int32, unpack_int32
 from redline.sampling import SamplingParams
 from redline.train.random_init import write_random_draft
 
-kernels = pytest.mark.skipif(not cpu_ops.load(), reason="needs AVX-512 BF16, a C++ compiler and ninja")
+kernels = pytest.mark.skipif(not cpu_ops.load(), reason="needs AVX-512 BF16 and VNNI, C++ and ninja")
 
 
 @pytest.fixture(scope="module")

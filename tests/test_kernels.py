@@ -85,7 +85,7 @@ def test_weight_only_mm(bits, m, n, k, group):
     if bits == 4:
         codes = pack_int32(torch.randint(0, 16, (n, k), dtype=torch.int32), 4).to(DEVICE)
     else:
-        codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, device=DEVICE)
+        codes = torch.randint(0, 256, (n, k), dtype=torch.uint8, device=DEVICE)
     scales = (torch.rand(n, k // group, device=DEVICE) * 0.02).half()
     zeros = (torch.randn(n, k // group, device=DEVICE) * 0.05).half()
     x = torch.randn(m, k, device=DEVICE).bfloat16()

@@ -19,7 +19,7 @@ from redline.layers.packed import pack_weights
 from redline.models.build import load_target
 from redline.models.gguf import gguf_model_dir, smollm2_gguf
 
-needs_kernels = pytest.mark.skipif(not cpu_ops.load(), reason="needs AVX-512 BF16, a C++ compiler and ninja")
+needs_kernels = pytest.mark.skipif(not cpu_ops.load(), reason="needs AVX-512 BF16 and VNNI, C++ and ninja")
 
 
 def bf16_tolerance(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [M, K], [N, K] -> [M, N]

@@ -6,7 +6,9 @@ per machine and torch version with torch's own extension builder and registered 
   each weight row streamed once with vdpbf16ps on torch's thread pool. On SmolLM2's decoder weights it
   read 25-40 GB/s against 11-13 for F.linear in bf16 (BENCHMARKS.md "C++ decode kernels on AVX-512 BF16").
   A packed weight (packed_layout.py) goes to csrc/packed_rows_bf16.cpp, for any number of rows: decode
-  steps, verify steps and prompts (BENCHMARKS.md "Packed weights");
+  steps, verify steps and prompts (BENCHMARKS.md "Packed weights"), and a quantized one
+  (quantized_layout.py) to csrc/quantized_rows_bf16.cpp (int4) or csrc/int8_rows_vnni.cpp (int8: integer
+  products by AVX-512 VNNI, x carried in int16);
 - `decode_attention_bf16` (csrc/decode_attention_bf16.cpp): a decode step's few queries over the paged
   cache through the block tables, as kernels/decode_attention.py on CUDA (same arguments, same
   definition: decode_attention_reference), with no gathered keys and no mask tensors: scores 16 keys at
@@ -19,7 +21,7 @@ per machine and torch version with torch's own extension builder and registered 
 They share csrc/avx512_bf16.h (bf16 loads, the sum of 16 registers' lanes, e^x) and csrc/kernels.h; a
 change to any file there is a new build.
 
-Where they cannot run (no AVX-512 BF16, no C++ compiler or ninja, REDLINE_CPU_KERNELS=0, a failed
+Where they cannot run (no AVX-512 BF16 and VNNI, no C++ compiler or ninja, REDLINE_CPU_KERNELS=0, a failed
 build), `load()` is False and layers/backends.py keeps torch's and inductor's paths.
 """
 
@@ -47,7 +49,8 @@ SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 # -ffp-contract=off: a * b + c rounds twice, as torch and inductor round it (g++ fuses it into one FMA by
 # default, which moved the one-call layer's rotary off torch's)
-FLAGS = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
+FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+FLAGS += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni"]
 STALE_LOCK_S = 600  # a build takes well under a minute: an older lock was left by a killed process
 
 
@@ -68,10 +71,16 @@ def _ninja_beside_python() -> None:
         os.environ["PATH"] = os.pathsep.join([path, here]) if path else here
 
 
+def avx512_bf16_and_vnni() -> bool:
+    """Both, as every CPU with AVX-512 BF16 has (Cooper Lake, Sapphire Rapids, Zen 4): int8 products are
+    VNNI's."""
+    return torch.cpu._is_avx512_bf16_supported() and torch.cpu._is_vnni_supported()
+
+
 def available() -> bool:
     from torch.utils.cpp_extension import is_ninja_available
 
-    if os.environ.get("REDLINE_CPU_KERNELS", "1") == "0" or not torch.cpu._is_avx512_bf16_supported():
+    if os.environ.get("REDLINE_CPU_KERNELS", "1") == "0" or not avx512_bf16_and_vnni():
         return False
     _ninja_beside_python()
     return shutil.which(os.environ.get("CXX", "c++")) is not None and is_ninja_available()

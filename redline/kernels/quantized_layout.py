@@ -1,19 +1,21 @@
-"""Weights quantized in groups along the input dimension, in the block layout of redline's CPU kernel
-(csrc/quantized_rows_bf16.cpp): int4 or int8 codes q with an fp16 scale s and zero z per group of
-G weights of one row, w = q * s + z, the shape of llama.cpp's Q4_1 / Q8_0 (GGUF loads into it exactly).
+"""Weights quantized in groups along the input dimension, in the block layout of redline's CPU kernels
+(csrc/quantized_rows_bf16.cpp for int4, csrc/int8_rows_vnni.cpp for int8): codes q (0 .. 15 or 0 .. 255)
+with an fp16 scale s and zero z per group of G weights of one row, w = q * s + z, the shape of llama.cpp's
+Q4_1 / Q8_0 (GGUF loads into it exactly: a Q8_0 code c is q = c + 128 with z = -128 s).
 
     int4 (uint8 tensor): [N / 32, K / G, 16 G + 128]     int8 (int8 tensor): [N / 32, K / G, 32 G + 128]
 
 Blocks of 32 rows, as the bf16 packed layout (packed_layout.py); each group of a block holds its
 codes, pair of k by pair, then the 32 rows' scales (fp16) and their zeros (fp16). A pair p of int4 is 32
 bytes: byte l holds q[l // 2, 2p + l % 2] in its low nibble and q[16 + l // 2, 2p + l % 2] in its high one;
-a pair of int8 is 64 bytes, rows 0-15 then rows 16-31, byte l of each half q[l // 2, 2p + l % 2]. Example,
-int4, G = 32, the block's group 1 starts at byte 640 (16 * 32 + 128), and its byte 640 + 3 * 32 + 5 holds
-q[2, 32 + 7] and q[18, 32 + 7].
+a pair of int8 is 64 bytes, rows 0-15 then rows 16-31, byte l of each half q[l // 2, 2p + l % 2], as an
+unsigned byte (the tensor's dtype, int8, only says the width). Example, int4, G = 32, the block's group 1
+starts at byte 640 (16 * 32 + 128), and its byte 640 + 3 * 32 + 5 holds q[2, 32 + 7] and q[18, 32 + 7].
 
-Rounding on load: int4 asymmetric, s = (max - min) / 15 and z = min per group (rounded to fp16), q =
-round((w - z) / s) in 0 .. 15, as Q4_1; int8 symmetric, s = max |w| / 127, z = 0, q = round(w / s) in
--127 .. 127, as Q8_0. A weight reads back within s / 2 (plus fp16's rounding of s and z).
+Rounding on load, both widths: asymmetric, s = (max - min) / (2^bits - 1) and z = min per group (rounded
+to fp16), q = round((w - z) / s), as Q4_1. A weight reads back within s / 2 (plus fp16's rounding of s and
+z). So int8 in groups of 32 keeps a Q4_1 file's weights (SmolLM2's only release) up to fp16's rounding of s:
+a block whose codes span 0 .. 15 gets s = d / 17 and q = 17 times its code.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def shape_of(weight: torch.Tensor) -> tuple[int, int]:  # (N, K) of the weight i
 
 
 def to_blocks(
-    q: torch.Tensor,  # [N, K] integer codes: 0 .. 15 (bits 4) or -128 .. 127 (bits 8)
+    q: torch.Tensor,  # [N, K] integer codes: 0 .. 15 (bits 4) or 0 .. 255 (bits 8)
     scale: torch.Tensor,  # [N, K / G]
     zero: torch.Tensor,  # [N, K / G]
     bits: int,
@@ -52,13 +54,11 @@ def to_blocks(
     n, k = q.shape
     groups = scale.shape[1]
     g = k // groups
-    # [block, half, row in half, group, pair, k in pair] -> [block, group, pair, ...]
+    # [block, half, row in half, group, pair, k in pair] -> [block, group, pair, half, row in half, k in pair]
     codes = q.reshape(n // BLOCK_ROWS, 2, BLOCK_ROWS // 2, groups, g // 2, 2)
+    codes = codes.permute(0, 3, 4, 1, 2, 5).to(torch.uint8)
     if bits == 4:  # [block, group, pair, row in half, k in pair]: low nibble half 0, high nibble half 1
-        halves = codes.permute(0, 3, 4, 1, 2, 5).to(torch.uint8)
-        codes = halves[:, :, :, 0] | (halves[:, :, :, 1] << 4)
-    else:  # [block, group, pair, half, row in half, k in pair]
-        codes = codes.permute(0, 3, 4, 1, 2, 5).to(torch.int8).view(torch.uint8)
+        codes = codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)
     codes = codes.reshape(n // BLOCK_ROWS, groups, -1)
 
     def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, groups] -> [blocks, groups, 64] bytes of fp16
@@ -78,8 +78,8 @@ def from_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     if bits == 4:  # [block, group, pair, row in half, k in pair] x (low, high)
         codes = codes.reshape(blocks, groups, g // 2, BLOCK_ROWS // 2, 2)
         codes = torch.stack([codes & 15, codes >> 4], dim=3).to(torch.int32)
-    else:
-        codes = codes.reshape(blocks, groups, g // 2, 2, BLOCK_ROWS // 2, 2).view(torch.int8).to(torch.int32)
+    else:  # [block, group, pair, half, row in half, k in pair]
+        codes = codes.reshape(blocks, groups, g // 2, 2, BLOCK_ROWS // 2, 2).to(torch.int32)
     q = codes.permute(0, 3, 4, 1, 2, 5).reshape(n, k)  # [block, half, row in half, group, pair, k in pair]
 
     def per_row(t: torch.Tensor) -> torch.Tensor:  # [blocks, groups, 64] bytes -> [N, groups] fp32
@@ -112,9 +112,8 @@ def rows_of(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # quantiz
     in_block = (block[:, None, None], torch.arange(groups)[None, :, None])
     byte = raw[(*in_block, at)]  # [T, groups, G]
     if bits == 4:  # the low nibble is half 0's row, the high one half 1's
-        q = torch.where(half[:, None, None] == 1, byte >> 4, byte & 15).to(torch.int32)
-    else:
-        q = byte.view(torch.int8)
+        byte = torch.where(half[:, None, None] == 1, byte >> 4, byte & 15)
+    q = byte.to(torch.int32)
     fp16 = codes + 2 * (flat % BLOCK_ROWS)[:, None, None] + torch.arange(2)  # [T, 1, 2]: a scale's 2 bytes
     scale, zero = (raw[(*in_block, fp16 + at)].view(torch.float16).float() for at in (0, 2 * BLOCK_ROWS))
     rows = q.float() * scale + zero  # [T, groups, G] * [T, groups, 1]
@@ -146,16 +145,12 @@ def rounded(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [N, K] int32, scale, zero [N, K / group] fp32
     """The module doc's rounding (scale and zero exact in fp16), on w's device."""
     n, k = w.shape
+    levels = (1 << bits) - 1
     groups = w.float().reshape(n, k // group, group)
-    if bits == 4:
-        low, high = groups.amin(-1), groups.amax(-1)
-        scale = ((high - low) / 15).to(torch.float16).float()
-        zero = low.to(torch.float16).float()
-        q = ((groups - zero[..., None]) / scale[..., None].clamp(min=2**-24)).round().clamp(0, 15)
-    else:
-        scale = (groups.abs().amax(-1) / 127).to(torch.float16).float()
-        zero = torch.zeros_like(scale)
-        q = (groups / scale[..., None].clamp(min=2**-24)).round().clamp(-127, 127)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = ((high - low) / levels).to(torch.float16).float()
+    zero = low.to(torch.float16).float()
+    q = ((groups - zero[..., None]) / scale[..., None].clamp(min=2**-24)).round().clamp(0, levels)
     return q.reshape(n, k).to(torch.int32), scale, zero
 
 

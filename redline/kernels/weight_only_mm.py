@@ -4,7 +4,7 @@ for the few rows of a decode or verify step. Decode reads every weight once, so 
 as its bytes: int4 reads 4 bits a weight plus 4 bytes a group, against bf16's 16 bits.
 
     int4: codes [N, K / 8] int32, code j of word w in bits 4 j .. 4 j + 3 (0 .. 15: k = 8 w + j)
-    int8: codes [N, K] int8 (-128 .. 127)
+    int8: codes [N, K] uint8 (0 .. 255)
     scales, zeros: [N, K / G] in fp16
 
 Example, int4, K = 16, G = 8: row n's word 1 holds k = 8 .. 15; its k = 10 is bits 8 .. 11, scaled by
@@ -29,7 +29,7 @@ MAX_BLOCK_M = 64  # input rows a program multiplies at once: tl.dot's 16 up to a
 
 
 def dequantize_codes(
-    codes: torch.Tensor,  # int4 [N, K / 8] int32 or int8 [N, K] int8
+    codes: torch.Tensor,  # int4 [N, K / 8] int32 or int8 [N, K] uint8
     scales: torch.Tensor,  # [N, K / G]
     zeros: torch.Tensor,  # [N, K / G]
 ) -> torch.Tensor:  # [N, K] fp32
@@ -45,7 +45,7 @@ def dequantize_codes(
 
 def weight_only_mm_reference(
     x: torch.Tensor,  # [M, K]
-    codes: torch.Tensor,  # int4 [N, K / 8] int32 or int8 [N, K] int8
+    codes: torch.Tensor,  # int4 [N, K / 8] int32 or int8 [N, K] uint8
     scales: torch.Tensor,  # [N, K / G]
     zeros: torch.Tensor,  # [N, K / G]
     rounded: bool = True,
@@ -100,7 +100,7 @@ def block_n_for(n: int, programs: int = 132) -> int:
 @triton_op("redline::weight_only_mm", mutates_args=())
 def weight_only_mm(
     x: torch.Tensor,  # contiguous [M, K], bf16 or fp16
-    codes: torch.Tensor,  # int4 [N, K / 8] int32 or int8 [N, K] int8
+    codes: torch.Tensor,  # int4 [N, K / 8] int32 or int8 [N, K] uint8
     scales: torch.Tensor,  # [N, K / G] fp16
     zeros: torch.Tensor,  # [N, K / G] fp16
     block_n: int = 0,  # 0: block_n_for(N)

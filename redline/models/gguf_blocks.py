@@ -5,7 +5,7 @@
 |--------------------------------|------------|-------------------------------------|
 | Q4_0 (d, 32 nibbles)           | int4 g32   | scale d, zero -8 d: exact           |
 | Q4_1 (d, m, 32 nibbles)        | int4 g32   | scale d, zero m: exact              |
-| Q8_0 (d, 32 int8)              | int8 g32   | scale d, zero 0: exact              |
+| Q8_0 (d, 32 int8)              | int8 g32   | codes + 128, zero -128 d: exact     |
 | any other quantized type       | int4 g32 up to 5 bits a weight, else int8 g32: re-quantized from the    |
 |                                | dequantized values (quantized_layout.quantize), its error reported    |
 | F32, F16, BF16                 | not quantized: loaded as the model's dtype                            |
@@ -63,9 +63,9 @@ def exact_codes(
     blocks = np.asarray(tensor.data).reshape(n, k // GROUP, -1)[rows]  # [rows, blocks, block bytes]
     n = blocks.shape[0]
     scale = fp16(blocks, 0)
-    if tensor.tensor_type == Q.Q8_0:
+    if tensor.tensor_type == Q.Q8_0:  # codes 0 .. 255 in the layout: -128 d a power-of-two multiple, exact
         q = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8)).to(torch.int32)
-        return q.reshape(n, k), scale, torch.zeros_like(scale), 8
+        return q.reshape(n, k) + 128, scale, -128 * scale, 8
     start = 2 if tensor.tensor_type == Q.Q4_0 else 4
     nibbles = torch.from_numpy(np.ascontiguousarray(blocks[..., start:])).to(torch.int32)  # [N, blocks, 16]
     q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).reshape(n, k)  # weights j and j + 16 of byte j

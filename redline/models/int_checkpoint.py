@@ -14,7 +14,7 @@ row, w = (u - zc) * s, as each format defines it:
   packed along N; symmetric: zc = 2^(b-1)), with act order weight_g_idx [K];
 
 and then written into the layout: kernels/quantized_layout.py on the C++ kernel's path (q = u for int4,
-u - 128 for int8; zero = -zc s in fp16, exact for symmetric schemes, where zc s is a power-of-two multiple of
+the same for int8; zero = -zc s in fp16, exact for symmetric schemes, where zc s is a power-of-two multiple of
 s), else quant/int4.py's Int4Linear (int4) or the layout multiplied dequantized (int8). A per-channel
 checkpoint (one group a row) repeats its scale over the layout's groups, exactly.
 Act order (a g_idx that is not k // group): the inputs are sorted by group, so that groups are runs of
@@ -145,8 +145,6 @@ def loaded_linear(placeholder: CheckpointLinear, blocks: bool, dtype: torch.dtyp
         u = u[:, order]
     group = layout_group(size, k, name)
     zc, s = zc.repeat_interleave(size // group, 1), s.repeat_interleave(size // group, 1)
-    if scheme.bits == 8:  # the layout's int8 codes are signed
-        u, zc = u - 128, zc - 128
     zero = -zc * s
     bias = None if placeholder.bias is None else placeholder.bias.detach().to(dtype)
     if scheme.bits == 4 and not blocks:

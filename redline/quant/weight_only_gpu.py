@@ -1,6 +1,7 @@
 """int4 / int8 weight-only linears on CUDA: the weight rounded as on CPU (kernels/quantized_layout.rounded:
-int4 asymmetric, int8 symmetric, groups of 32 / 64 / 128 with fp16 scales and zeros), held in the GPU
-kernel's layout (kernels/weight_only_mm.py: int4 codes 8 to an int32 word along K, int8 codes as int8).
+asymmetric, groups of 32 / 64 / 128 with fp16 scales and zeros), held in the GPU kernel's layout
+(kernels/weight_only_mm.py: int4 codes 8 to an int32 word along K, int8 codes as uint8). The GPU kernel
+multiplies x as it is; the CPU's int8 kernel carries x in int16 (csrc/int8_rows_vnni.cpp).
 A decode or verify step's rows (up to KERNEL_ROWS) take the Triton kernel, which reads each weight once
 per 64 rows; a prompt's rows multiply the dequantized weight (a GEMM's worth of compute, where reading it
 is not the cost), and so does an fp32 model (the kernel's tl.dot would round to tf32)."""
@@ -22,7 +23,7 @@ KERNEL_ROWS = 256
 class GpuWeightOnlyLinear(nn.Module):
     def __init__(
         self,
-        codes: torch.Tensor,  # int4 [N, K / 8] int32 or int8 [N, K] int8
+        codes: torch.Tensor,  # int4 [N, K / 8] int32 or int8 [N, K] uint8
         scales: torch.Tensor,  # [N, K / G] fp16
         zeros: torch.Tensor,  # [N, K / G] fp16
         bias: torch.Tensor | None,  # [N], the model's dtype
@@ -38,7 +39,7 @@ class GpuWeightOnlyLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, bits: int, group: int, dtype: torch.dtype) -> GpuWeightOnlyLinear:
         q, scale, zero = rounded(linear.weight.detach(), bits, group)
-        codes = pack_int32(q, 4) if bits == 4 else q.to(torch.int8)
+        codes = pack_int32(q, 4) if bits == 4 else q.to(torch.uint8)
         bias = None if linear.bias is None else linear.bias.detach().to(dtype)
         return cls(codes, scale.half(), zero.half(), bias)
 

@@ -21,7 +21,7 @@ constexpr int64_t PACK_ROWS = 32;
 void packed_rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, at::BFloat16* y);
 
 // A weight of y = x @ w^T for N outputs of K inputs: bf16 [N, K] row-major or packed, or quantized in
-// groups of `group` along k (bits 4 or 8: quantized_rows_bf16.cpp)
+// groups of `group` along k (bits 4: quantized_rows_bf16.cpp; bits 8: int8_rows_vnni.cpp)
 struct Weight {
   const void* data;
   int64_t N, K;
@@ -55,8 +55,11 @@ inline Weight weight_of(const at::Tensor& w, const char* op) {
   return {w.data_ptr(), w.size(0), w.size(1), false};
 }
 
-// y[M, w.N] = x[M, w.K] @ w^T for a quantized w (quantized_rows_bf16.cpp)
+// y[M, w.N] = x[M, w.K] @ w^T for a quantized w (quantized_rows_bf16.cpp): int4 there, int8 by int8_rows
 void quantized_rows(const uint16_t* x, int64_t M, const Weight& w, at::BFloat16* y);
+
+// y[M, w.N] = x[M, w.K] @ w^T for an int8 w, in integer products with x in int16 (int8_rows_vnni.cpp)
+void int8_rows(const uint16_t* x, int64_t M, const Weight& w, at::BFloat16* y);
 
 // y[M, w.N] = x[M, w.K] @ w^T, each row's result independent of M
 inline void product(const uint16_t* x, int64_t M, const Weight& w, at::BFloat16* y) {
