@@ -35,7 +35,13 @@ import torch
 from redline.benchmark.load import Pace, Request, Result, replay, send
 from redline.benchmark.machine import describe
 from redline.benchmark.prompts import sharegpt_requests
-from redline.benchmark.serve_bench import PREFIX_HITS, PREFIX_QUERIES, scrape_metrics
+from redline.benchmark.serve_bench import (
+    PREFIX_HITS,
+    PREFIX_QUERIES,
+    ServerDidNotStart,
+    scrape_metrics,
+    wait_until_healthy,
+)
 from redline.benchmark.serve_report import summarize
 from redline.data import sharegpt
 from redline.models.gguf import gguf_model_dir, smollm2_gguf
@@ -58,17 +64,11 @@ class Server:
                    *flags]  # fmt: skip
         self.flags = " ".join(flags)
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redline serve {self.flags} exited: {self.proc.stderr.read()[-3000:]}")
-            try:
-                if httpx.get(URL + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise TimeoutError("the server did not come up in 10 minutes")
+        try:
+            wait_until_healthy(URL, self.proc)
+        except ServerDidNotStart as error:
+            tail = self.proc.stderr.read()[-3000:] if self.proc.poll() is not None else ""
+            raise RuntimeError(f"{error} ({self.flags}): {tail}") from None
 
     def __enter__(self) -> Server:
         return self

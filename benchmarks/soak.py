@@ -42,6 +42,7 @@ from urllib.parse import urlparse
 import httpx
 
 from redline.benchmark.machine import describe
+from redline.benchmark.serve_bench import ServerDidNotStart, wait_until_healthy
 from redline.models.gguf import smollm2_gguf
 from redline.server.web_policy import is_loopback
 
@@ -246,17 +247,10 @@ def launched(model: str, serve_args: str, log: Path):
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(1200):
-            if process.poll() is not None:
-                raise SystemExit(f"redline serve exited with {process.returncode}; see {log}")
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise SystemExit(f"redline serve did not answer /health in 10 minutes; see {log}")
+        try:
+            wait_until_healthy(url, process)
+        except ServerDidNotStart as error:
+            raise SystemExit(f"{error}; see {log}") from None
         yield url, process.pid
     finally:
         process.terminate()

@@ -95,13 +95,14 @@ def test_int8_in_groups_of_32_keeps_a_q4_1_grid():
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("n, k, group", [(960, 576, 32), (576, 1536, 64), (3072, 576, 32), (64, 256, 128)])
 def test_the_kernel_computes_the_dequantized_product_each_row_alone(bits, n, k, group):
-    """SmolLM2's fused q/k/v, down and gate/up shapes: 1 to 130 rows (past the kernel's 64-row chunk) against
+    """SmolLM2's fused q/k/v, down and gate/up shapes: 1 to 130 rows (past the kernel's 64-row chunk) and a
+    2,048-token prompt's rows (int8's x rounded on both threads) against
     x @ dequantized^T in fp32, within 2^-8 of the largest output (the output rounded to bf16, 2^-9, fp32
     sums, and int8's x in int16: 2^-16 of a group's largest); and every row equals its one-row product, bit
     for bit."""
     *_, blocks = random_blocks(bits, n, k, group, seed=n + k + bits)
     weight = dequantize(blocks)
-    for rows in (1, 3, 4, 37, 130):
+    for rows in (1, 3, 4, 37, 130, 2048):
         x = torch.randn(rows, k).bfloat16()
         want = x.float() @ weight.t()
         got = cpu_ops.few_rows_bf16(x, blocks)

@@ -17,7 +17,13 @@ pytest.importorskip("uvicorn")
 from live_server import live  # noqa: E402
 
 from redline import LLM, SamplingParams  # noqa: E402
-from redline.benchmark.serve_bench import PREFIX_HITS, PREFIX_QUERIES, scrape_metrics  # noqa: E402
+from redline.benchmark.serve_bench import (  # noqa: E402
+    PREFIX_HITS,
+    PREFIX_QUERIES,
+    ServerDidNotStart,
+    scrape_metrics,
+    wait_until_healthy,
+)
 from redline.server.app import Server  # noqa: E402
 from redline.server.engine_loop import EngineLoop, QueueFull  # noqa: E402
 from redline.server.serve import add_parser, engine_config  # noqa: E402
@@ -337,3 +343,24 @@ def test_load_client_reports_every_level(url):
     for level in result["levels"]:
         assert level["errors"] == 0 and level["requests"] == level["concurrency"]
         assert level["ttft_s_median"] > 0 and level["tps_user_median"] > 0 and level["tps_total"] > 0
+
+
+def test_a_server_that_exits_while_starting_is_named_not_waited_for():
+    """The benchmarks' start-up wait (serve_bench.wait_until_healthy): a process that exits with 3 before
+    /health answers ends the wait at once with its exit code, and one that never answers ends it at the
+    timeout; neither blocks for the default 10 minutes."""
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    dead.wait()
+    with pytest.raises(ServerDidNotStart, match="exited with 3"):
+        wait_until_healthy("http://127.0.0.1:9", dead)
+    silent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        start = time.monotonic()
+        with pytest.raises(ServerDidNotStart, match="did not answer /health in 2 s"):
+            wait_until_healthy("http://127.0.0.1:9", silent, timeout_s=2)
+        assert time.monotonic() - start < 10
+    finally:
+        silent.kill()

@@ -14,6 +14,8 @@ found in the cache over those looked up); None for a server without them.
 from __future__ import annotations
 
 import math
+import subprocess
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -37,6 +39,26 @@ class ServeSettings:
     max_output_tokens: int = 256
     ignore_eos: bool = False
     seed: int = 0
+
+
+class ServerDidNotStart(RuntimeError):
+    """`redline serve` exited, or did not answer /health in time, while starting."""
+
+
+def wait_until_healthy(url: str, process: subprocess.Popen, timeout_s: float = 600) -> None:
+    """Polls url/health every 0.5 s until it answers 200 (a server compiles before it listens);
+    ServerDidNotStart if `process` exits first or timeout_s passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise ServerDidNotStart(f"redline serve exited with {process.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise ServerDidNotStart(f"redline serve did not answer /health in {timeout_s:.0f} s")
 
 
 def scrape_metrics(url: str) -> dict[str, float]:
