@@ -3,7 +3,8 @@ held-out ShareGPT and HumanEval pass@1 (greedy) for redline in bf16, int8 and in
 tensors (gguf), a `redline quantize --scheme int4` checkpoint (compressed-tensors W4A16, groups of 64),
 and llama.cpp on the shipped Q4_1 file, all on the same token windows and the same prompt token ids.
 
-    .venv/bin/python benchmarks/quantized_accuracy.py [--windows 32] [--limit 164] [--json out.json]
+    .venv/bin/python benchmarks/quantized_accuracy.py [--windows 32] [--limit 164] [--dtype bfloat16]
+        [--json out.json]
 
 The model ships only as Q4_1, so "bf16" is that file dequantized: the reference every row is held to, and
 the weights llama.cpp's Q4_1 row computes with its own kernels. Perplexity: `windows` windows of 256
@@ -59,6 +60,8 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=32)
     parser.add_argument("--limit", type=int, default=164, help="HumanEval problems (the first N)")
     parser.add_argument("--json", type=Path, default=None)
+    help = "what redline's rows compute in (float32: an AVX2 CPU's default, its quantized kernel's too)"
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help=help)
     args = parser.parse_args()
     gguf = smollm2_gguf()
     if gguf is None:
@@ -68,9 +71,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         written = Path(tmp) / "w4a16"  # groups of 64: SmolLM2's 576 inputs are not whole groups of 128
         quantize_checkpoint(base, written, scheme="int4", group=64)
-        configs = [EvalConfig("bf16", base, "bfloat16")]
-        configs += [EvalConfig(q, base, "bfloat16", quantization=q) for q in ("int8", "int4", "gguf")]
-        configs += [EvalConfig("w4a16 (quantize)", written, "bfloat16")]
+        configs = [EvalConfig(args.dtype, base, args.dtype)]
+        configs += [EvalConfig(q, base, args.dtype, quantization=q) for q in ("int8", "int4", "gguf")]
+        configs += [EvalConfig("w4a16 (quantize)", written, args.dtype)]
         rows = evaluate(configs, tasks, texts, args.windows)
     tokenizer = Tokenizer.from_dir(base)
     windows = text_windows(tokenizer, texts, 256, args.windows)
@@ -78,7 +81,8 @@ def main() -> None:
     print(eval_table(rows))
     base_ppl = rows[0]["perplexity"]
     for row in rows[1:]:
-        print(f"{row['config']}: perplexity {100 * (row['perplexity'] / base_ppl - 1):+.2f}% of bf16's")
+        change = 100 * (row["perplexity"] / base_ppl - 1)
+        print(f"{row['config']}: perplexity {change:+.2f}% of {args.dtype}'s")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
 

@@ -289,8 +289,8 @@ def _add_training(sub) -> None:
     m.add_argument("--eager", action="store_true", help=help)
     help = "of the chats (default: bfloat16 where the CPU computes it natively, float32 elsewhere)"
     m.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help=help)
-    help = "run the bf16 import of the GGUF file, not the file's own Q4_1 / Q8_0 weights (the default "
-    help += "in bfloat16 on CPUs with the AVX-512 BF16 kernels)"
+    help = "run the import of the GGUF file (its weights dequantized), not the file's own Q4_1 / Q8_0 "
+    help += "weights (the default where a C++ kernel multiplies them: AVX-512 BF16 or AVX2)"
     m.add_argument("--dequantized", action="store_true", help=help)
     m.set_defaults(func=cmd_demo)
 

@@ -164,13 +164,14 @@ def run_demo(
 ) -> dict:
     """Chats with `num_prompts` prompts of each set; returns the measurements, per set and overall. By
     default on the engine's fast path: compiled, in bfloat16 where the CPU computes it natively (else
-    float32), and there, on CPUs with the AVX-512 BF16 kernels and with file_weights, the GGUF file's own
-    Q4_1 / Q8_0 tensors (quantization "gguf": the weights llama.cpp runs). Compiled, the K + 1 rows of a
-    verify compute each row as the one-row step does, so greedy texts are identical; eager bfloat16 can
-    part at near-ties without the C++ CPU kernels (BENCHMARKS.md)."""
+    float32), and with file_weights, where a C++ kernel multiplies them (AVX-512 BF16's, or AVX2's), the
+    GGUF file's own Q4_1 / Q8_0 tensors (quantization "gguf": the weights llama.cpp runs). Compiled, the
+    K + 1 rows of a verify compute each row as the one-row step does, so greedy texts are identical; eager
+    bfloat16 can part at near-ties without the C++ CPU kernels (BENCHMARKS.md)."""
     target, draft = demo_pair()
     dtype = dtype or fast_dtype("cpu")
-    quantization = "gguf" if file_weights and dtype == "bfloat16" and cpu_ops.load() else None
+    quantized = file_weights and cpu_ops.quantized_kernel(getattr(torch, dtype))
+    quantization = "gguf" if quantized else None
     common = dict(
         dtype=dtype, max_num_seqs=1, max_model_len=MAX_PROMPT_TOKENS + max_tokens + 8, compile=compile,
         quantization=quantization,

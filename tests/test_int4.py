@@ -79,9 +79,10 @@ def dequantized_twin(llm: LLM, group: int) -> LLM:
 
 
 @pytest.mark.parametrize("group", [32, 64])
-def test_a_model_quantized_on_load_is_its_dequantized_twin(target, group):
-    """fp32: every next-token log-probability over a 300-token text within fp32 error of the twin's, every
-    decoder linear an Int4Linear (embeddings and the head kept), greedy tokens the same."""
+def test_a_model_quantized_on_load_is_its_dequantized_twin(target, group, without_cpu_kernels):
+    """fp32 with no C++ kernel (which would take the layout: tests/test_quantized_weights.py): every
+    next-token log-probability over a 300-token text within fp32 error of the twin's, every decoder linear
+    an Int4Linear (embeddings and the head kept), greedy tokens the same."""
     int4 = LLM(target, dtype="float32", max_batch=2, max_seq_len=512, quantization="int4",
                quantization_group_size=group)  # fmt: skip
     twin = dequantized_twin(LLM(target, dtype="float32", max_batch=2, max_seq_len=512), group)
@@ -96,8 +97,8 @@ def test_a_model_quantized_on_load_is_its_dequantized_twin(target, group):
     ]
 
 
-def test_int4_compiled_and_with_eagle3_decodes_what_plain_int4_does(target, tmp_path):
-    """The compiled step (every bucket it warms up) and EAGLE-3 K = 3 on int4 weights: greedy tokens of
+def test_int4_compiled_and_with_eagle3_decodes_what_plain_int4_does(target, tmp_path, without_cpu_kernels):
+    """The compiled step (every bucket it warms up) and EAGLE-3 K = 3 on Int4Linears: greedy tokens of
     plain eager int4 decoding, at batch 1 and 2."""
     kw = dict(dtype="float32", max_batch=2, max_seq_len=256, quantization="int4")
     plain = LLM(target, **kw)
@@ -114,8 +115,9 @@ def test_int4_compiled_and_with_eagle3_decodes_what_plain_int4_does(target, tmp_
 
 def test_int4_options_that_cannot_work_are_refused_before_loading(target):
     """An unknown group size, fp8 weights, gguf on a CUDA device; and a bf16 model from an fp32 checkpoint
-    computes in bf16: in the C++ kernel's layout where this CPU runs it (tests/test_quantized_weights.py),
-    else an Int4Linear with scales in the model's dtype, not the checkpoint's."""
+    computes in bf16: in the C++ kernels' layout where this CPU runs one (AVX-512 BF16's or AVX2's:
+    tests/test_quantized_weights.py), else an Int4Linear with scales in the model's dtype, not the
+    checkpoint's."""
     with pytest.raises(ValueError, match="quantization_group_size 48: 32|64|128"):
         LLM(target, quantization="int4", quantization_group_size=48)
     with pytest.raises(ValueError, match="int4 quantization takes high-precision weights"):
@@ -124,7 +126,7 @@ def test_int4_options_that_cannot_work_are_refused_before_loading(target):
         LLM(target, quantization="gguf", device="cuda")
     llm = LLM(target, dtype="bfloat16", max_batch=1, max_seq_len=64, quantization="int4")
     layer = llm.model.model.layers[0].mlp.down_proj
-    if cpu_ops.load():
+    if cpu_ops.load() or cpu_ops.load_avx2():
         assert (
             layer.weight.dtype == torch.uint8 and layer(torch.ones(1, 128).bfloat16()).dtype == torch.bfloat16
         )

@@ -21,12 +21,14 @@ from redline.evaluate.run import EvalConfig, parse_config
 from redline.kernels import cpu_ops
 from redline.kernels.quantized_layout import dequantize, is_quantized
 from redline.layers.input_order import InputOrdered
-from redline.models.build import load_target
+from redline.models.build import skeleton
+from redline.models.int_checkpoint import CheckpointLinear, loaded_linear
 from redline.models.quantize import QUANTIZED
 from redline.models.quantized_checkpoint import quantize_checkpoint
 from redline.models.tensor_files import CheckpointError
 from redline.quant.int4 import Int4Linear
 from redline.quant.int_packing import awq_unpack, pack_int32, unpack_int32
+from redline.quant.weight_only_gpu import GpuWeightOnlyLinear
 from redline.sampling import SamplingParams
 from redline.train.random_init import write_random_draft
 
@@ -100,8 +102,9 @@ def test_redline_quantize_writes_what_transformers_reads(source, tmp_path, schem
     decompressed = CompressedTensorsConfig(dequantize=True)
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, quantization_config=decompressed)
     llm = LLM(out, dtype="bfloat16", max_batch=1, max_seq_len=512)
-    blocks = cpu_ops.load()  # else int4 is torch's kernel, its zero + 8 scale in bf16: 2^-9 of 8 steps
-    assert all((layer.one_call is cpu_ops.dense_layer_bf16) == blocks for layer in llm.model.model.layers)
+    blocks = cpu_ops.quantized_kernel(torch.bfloat16)  # else int4 is torch's kernel: zero + 8 scale in bf16
+    one_call = cpu_ops.load()  # the AVX-512 BF16 kernels: a layer in one call
+    assert all((layer.one_call is cpu_ops.dense_layer_bf16) == one_call for layer in llm.model.model.layers)
     reference = {}
     for name, module in llm.model.named_modules():
         if name.rpartition(".")[2] in QUANTIZED:
@@ -136,8 +139,8 @@ def test_gptq_and_awq_checkpoints_load_to_the_weights_their_codes_stand_for(sour
     layer in one call."""
     path, reference = write_int_checkpoint(source, tmp_path / "q", **variant)
     llm = LLM(path, dtype="bfloat16", max_batch=1, max_seq_len=512)
-    ordered, blocks = variant.get("act_order", False), cpu_ops.load()
-    if blocks:
+    ordered, blocks = variant.get("act_order", False), cpu_ops.quantized_kernel(torch.bfloat16)
+    if cpu_ops.load():  # the one-call layer
         assert all((layer.one_call is None) == ordered for layer in llm.model.model.layers)
     for key, weight in reference.items():
         module = llm.model.get_submodule(key.removesuffix(".weight"))
@@ -154,10 +157,10 @@ def test_gptq_and_awq_checkpoints_load_to_the_weights_their_codes_stand_for(sour
 
 
 @pytest.mark.parametrize("variant", GPTQ_AWQ, ids=NAMES)
-def test_fp32_models_of_int_checkpoints_compute_their_weights(source, tmp_path, variant):
-    """fp32 (not the C++ kernel's dtype): int4 linears are Int4Linears of the checkpoint's weights (int8:
-    the layout, multiplied dequantized, its zeros in fp16 as on the kernel's path), and the model's
-    log-probabilities are those of an fp32 twin holding the weights multiplied, within fp32 rounding."""
+def test_fp32_models_of_int_checkpoints_compute_their_weights(source, tmp_path, variant, without_cpu_kernels):
+    """fp32 with no C++ kernel: int4 linears are Int4Linears of the checkpoint's weights (int8: the layout,
+    multiplied dequantized, its zeros in fp16 as on the kernel's path), and the model's log-probabilities
+    are those of an fp32 twin holding the weights multiplied, within fp32 rounding."""
     path, reference = write_int_checkpoint(source, tmp_path / "q", **variant)
     llm = LLM(path, dtype="float32", max_batch=1, max_seq_len=512)
     multiplied = {}
@@ -173,10 +176,67 @@ def test_fp32_models_of_int_checkpoints_compute_their_weights(source, tmp_path, 
     assert error < 1e-4
 
 
+@pytest.mark.parametrize("variant", GPTQ_AWQ, ids=NAMES)
+def test_int_checkpoints_load_into_the_gpu_kernels_layout(source, tmp_path, variant):
+    """On CUDA each linear's tensors are read on the CPU into a GpuWeightOnlyLinear (act order: inside an
+    InputOrdered) whose codes, fp16 scales and zeros stand for the checkpoint's weights as closely as the
+    C++ layout's; its product over a verify step's 4 rows (the Triton kernel, interpreted here) is x
+    times those weights, to bf16's rounding of the result."""
+    pytest.importorskip("triton")
+    from redline.kernels.weight_only_mm import dequantize_codes
+
+    path, reference = write_int_checkpoint(source, tmp_path / "q", **variant)
+    tensors, model = load_file(path / "model.safetensors"), skeleton(path)
+    placeholders = [(n, m) for n, m in model.named_modules() if isinstance(m, CheckpointLinear)]
+    assert {f"{name}.weight" for name, _ in placeholders} == set(reference)
+    x = torch.randn(4, source_hidden(source), dtype=torch.bfloat16)
+    for name, placeholder in placeholders:
+        for key, _ in list(placeholder.named_parameters()):
+            # a g_idx only where the checkpoint holds one; without act order as if it held none (meta)
+            if f"{name}.{key}" in tensors and (key != "g_idx" or variant.get("act_order")):
+                setattr(placeholder, key, torch.nn.Parameter(tensors[f"{name}.{key}"], requires_grad=False))
+        module, _ = loaded_linear(placeholder, False, torch.bfloat16, gpu=torch.device("cpu"))
+        ordered = isinstance(module, InputOrdered)
+        inner = module.linear if ordered else module
+        assert ordered == variant.get("act_order", False) and isinstance(inner, GpuWeightOnlyLinear), name
+        assert inner.codes.dtype == (torch.int32 if variant["bits"] == 4 else torch.uint8)
+        w = dequantize_codes(inner.codes, inner.scales, inner.zeros)  # [N, K], sorted inputs if ordered
+        if ordered:
+            w = torch.empty_like(w).index_copy_(1, module.order, w)
+        weight = reference[f"{name}.weight"]
+        step = weight.abs().max() * 2 / (2 ** variant["bits"] - 1)
+        bound = 0 if variant.get("sym") else step * 2 ** variant["bits"] * 2**-11
+        assert (w - weight).abs().max() <= bound, name
+        if placeholder.in_features == x.shape[1]:
+            exact = x.float() @ w.t()
+            scale = exact.abs().max()
+            torch.testing.assert_close(module(x).float(), exact, rtol=2**-8, atol=scale * 2**-8)
+
+
+def source_hidden(source) -> int:
+    return json.loads((source / "config.json").read_text())["hidden_size"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("variant", [GPTQ_AWQ[1], GPTQ_AWQ[2]], ids=["act-order", "int8"])
+def test_int_checkpoints_run_on_cuda(source, tmp_path, variant):
+    """On a GPU (benchmarks/gpu_check.sh): log-probabilities as near the fp32 twin as bf16 is to fp32, and
+    greedy decoding through the weight-only kernel, as the same checkpoint on the CPU decodes it."""
+    path, reference = write_int_checkpoint(source, tmp_path / "q", **variant)
+    llm = LLM(path, dtype="bfloat16", device="cuda", max_batch=1, max_seq_len=512)
+    error, bf16 = twin_error(llm, source, reference)
+    assert error <= 1.5 * bf16, (error, bf16)
+    cpu = LLM(path, dtype="bfloat16", max_batch=1, max_seq_len=512)
+    prompt, params = [[5, 6, 7, 8]], SamplingParams(max_tokens=16)
+    tokens = llm.generate(prompt, params)[0].token_ids
+    assert len(tokens) == 16 and tokens[:4] == cpu.generate(prompt, params)[0].token_ids[:4]
+
+
 def test_variants_redline_does_not_read_are_refused_by_name(source, tmp_path):
     """3-bit GPTQ, AWQ's gemv layout, marlin, a quantized lm_head, activation quantization, act order
-    without g_idx, a torn tensor, --quantization over a quantized checkpoint, a CUDA device and tensor
-    parallelism each name the problem."""
+    without g_idx, a torn tensor, --quantization over a quantized checkpoint and tensor parallelism each
+    name the problem."""
     path, _ = write_int_checkpoint(source, tmp_path / "q", "gptq", bits=4, group=32)
     config = json.loads((path / "config.json").read_text())
     cases = {
@@ -206,10 +266,7 @@ def test_variants_redline_does_not_read_are_refused_by_name(source, tmp_path):
     assert llm.generate([[5, 6]], SamplingParams(max_tokens=4))[0].token_ids
     with pytest.raises(ValueError, match=r"holds gptq int4, groups of 32, zero points weights: --quantiz"):
         LLM(path, dtype="float32", quantization="int4")
-    with pytest.raises(ValueError, match=r"weights, which load on CPU"):
-        load_target(path, device="cuda")
     with pytest.raises(ValueError, match="runs in one process"):
-        from redline.models.build import skeleton
         from redline.parallel.group import TensorParallel
 
         skeleton(path, TensorParallel(0, 2))

@@ -22,7 +22,11 @@ They share csrc/avx512_bf16.h (bf16 loads, the sum of 16 registers' lanes, e^x) 
 change to any file there is a new build.
 
 Where they cannot run (no AVX-512 BF16 and VNNI, no C++ compiler or ninja, REDLINE_CPU_KERNELS=0, a failed
-build), `load()` is False and layers/backends.py keeps torch's and inductor's paths.
+build), `load()` is False and layers/backends.py keeps torch's and inductor's paths. On CPUs with AVX2,
+`load_avx2()` builds one more op for the models those kernels do not take (every model there; fp32 models
+on AVX-512 CPUs), `quantized_rows` (csrc_avx2/quantized_rows_avx2.cpp): int4 and int8 weights in the same
+layout times fp32 or bf16 rows, in integer products as the VNNI kernel's (layers/linear.quantized_product),
+so that quantized weights are read as codes there too.
 """
 
 from __future__ import annotations
@@ -47,20 +51,25 @@ from redline.kernels.quantized_layout import dequantize, is_quantized
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
+AVX2_SOURCES = sorted((Path(__file__).parent / "csrc_avx2").glob("*.cpp"))  # include csrc/kernels.h
 # -ffp-contract=off: a * b + c rounds twice, as torch and inductor round it (g++ fuses it into one FMA by
 # default, which moved the one-call layer's rotary off torch's)
-FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
-FLAGS += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni"]
+BASE_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+FLAGS = [*BASE_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni"]
+AVX2_FLAGS = [*BASE_FLAGS, "-mavx2", "-mfma", "-mf16c"]
 STALE_LOCK_S = 600  # a build takes well under a minute: an older lock was left by a killed process
+_avx2_loaded = False  # load_avx2() built and loaded the AVX2 op: read by quantized_rows_loaded()
 
 
-def extension_name() -> str:
+def extension_name(
+    sources: list[Path] = SOURCES, flags: list[str] = FLAGS, stem: str = "redline_cpu_ops"
+) -> str:
     """One build per torch version and source: a build against another torch's headers may not load, and
     two checkouts with different sources must not rebuild over each other."""
-    files = b"".join(s.read_bytes() for s in SOURCES + HEADERS)
-    digest = hashlib.sha256(files + " ".join(FLAGS).encode()).hexdigest()
+    files = b"".join(s.read_bytes() for s in sources + HEADERS)
+    digest = hashlib.sha256(files + " ".join(flags).encode()).hexdigest()
     version = re.sub(r"\W", "_", torch.__version__)
-    return f"redline_cpu_ops_{version}_{digest[:10]}"
+    return f"{stem}_{version}_{digest[:10]}"
 
 
 def _ninja_beside_python() -> None:
@@ -77,10 +86,18 @@ def avx512_bf16_and_vnni() -> bool:
     return torch.cpu._is_avx512_bf16_supported() and torch.cpu._is_vnni_supported()
 
 
-def available() -> bool:
+def avx2() -> bool:
+    """AVX2 and FMA (torch's AVX2 capability; every such CPU has F16C) or AVX-512."""
+    return torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512"))
+
+
+def available(instructions: bool | None = None) -> bool:
+    """Whether the kernels can be built here: the instructions (default: AVX-512 BF16 and VNNI's), a C++
+    compiler and ninja, and REDLINE_CPU_KERNELS not 0."""
     from torch.utils.cpp_extension import is_ninja_available
 
-    if os.environ.get("REDLINE_CPU_KERNELS", "1") == "0" or not avx512_bf16_and_vnni():
+    instructions = avx512_bf16_and_vnni() if instructions is None else instructions
+    if os.environ.get("REDLINE_CPU_KERNELS", "1") == "0" or not instructions:
         return False
     _ninja_beside_python()
     return shutil.which(os.environ.get("CXX", "c++")) is not None and is_ninja_available()
@@ -102,31 +119,39 @@ def _wait_for_lock(lock: Path) -> None:
         time.sleep(0.5)
 
 
-@functools.cache
-def load() -> bool:
-    """Builds (10-30 s, the first time on a machine) and loads the ops; False where they cannot."""
-    if not available():
-        return False
+def _build(name: str, sources: list[Path], flags: list[str], what: str) -> bool:
+    """Builds (10-30 s, the first time on a machine) and loads the extension `name`; False, warned, where
+    the build fails."""
     from torch.utils.cpp_extension import _get_build_directory
     from torch.utils.cpp_extension import load as build
 
-    name = extension_name()
     start = time.perf_counter()
     try:
         directory = Path(_get_build_directory(name, verbose=False))
         built = (directory / f"{name}.so").exists()
         if not built:
-            print(
-                "redline: building the AVX-512 BF16 decode kernels (once per machine, ~30 s)", file=sys.stderr
-            )
+            print(f"redline: building the {what} (once per machine, ~30 s)", file=sys.stderr)
         _wait_for_lock(directory / "lock")
-        sources = [str(source) for source in SOURCES]
-        build(name, sources, extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], is_python_module=False)
+        build(
+            name,
+            [str(s) for s in sources],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+        )
     except (RuntimeError, OSError) as error:  # a compiler that rejects the flags, a read-only cache
-        warnings.warn(f"redline: the AVX-512 BF16 decode kernels did not build ({error})", stacklevel=2)
+        warnings.warn(f"redline: the {what} did not build ({error})", stacklevel=3)
         return False
     if not built:
-        print(f"redline: built the decode kernels in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+        print(f"redline: built the {what} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    return True
+
+
+@functools.cache
+def load() -> bool:
+    """Builds (the first time on a machine) and loads the AVX-512 BF16 ops; False where they cannot."""
+    if not available() or not _build(extension_name(), SOURCES, FLAGS, "AVX-512 BF16 decode kernels"):
+        return False
     torch.library.register_fake("redline_cpu::few_rows_bf16")(
         lambda x, w: x.new_empty(x.shape[0], out_features(w))  # [M, K], [N, K] or packed -> [M, N]
     )
@@ -135,6 +160,38 @@ def load() -> bool:
     )
     torch.library.register_fake("redline_cpu::dense_layer_bf16")(lambda x, *_: x.new_empty(x.shape))
     return True
+
+
+@functools.cache
+def load_avx2() -> bool:
+    """Builds (the first time on a machine) and loads the AVX2 quantized-weight op; False where it cannot."""
+    global _avx2_loaded
+    name = extension_name(AVX2_SOURCES, AVX2_FLAGS, "redline_cpu_avx2")
+    if not AVX2_SOURCES or not available(avx2()):  # (an install without csrc_avx2/)
+        return False
+    if not _build(name, AVX2_SOURCES, AVX2_FLAGS, "AVX2 quantized-weight kernel"):
+        return False
+    torch.library.register_fake("redline_cpu_avx2::quantized_rows")(
+        lambda x, w: x.new_empty(x.shape[0], out_features(w))  # [M, K], quantized -> [M, N]
+    )
+    _avx2_loaded = True
+    return True
+
+
+def quantized_kernel(dtype: torch.dtype) -> bool:
+    """Whether a C++ kernel here multiplies quantized weights for a model in dtype: AVX-512 BF16's (bf16,
+    with the backends that pack weights) or AVX2's (fp32 or bf16); loads it."""
+    return (dtype == torch.bfloat16 and load()) or (dtype in (torch.float32, torch.bfloat16) and load_avx2())
+
+
+def quantized_rows_loaded() -> bool:
+    """Whether load_avx2() has loaded the op: a plain read, which a compiled graph traces as a constant."""
+    return _avx2_loaded
+
+
+def quantized_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [M, K] fp32 / bf16 -> [M, N]
+    """x @ weight^T for a quantized weight (quantized_layout.py) by the AVX2 op (load_avx2() first)."""
+    return torch.ops.redline_cpu_avx2.quantized_rows(x.contiguous(), weight)
 
 
 def few_rows_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [M, K], weight -> [M, N]

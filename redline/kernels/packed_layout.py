@@ -50,11 +50,15 @@ def out_features(weight: torch.Tensor) -> int:  # N of a weight [N, K], packed o
     return weight.shape[0] * PACK_ROWS if weight.dim() == 3 else weight.shape[0]
 
 
-def embedding_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # [V, H], packed or quantized
-    """table[ids] ([..., H]) of a table [V, H], packed, or quantized (bf16 rows: quantized_layout.rows_of).
+def embedding_rows(
+    table: torch.Tensor,  # [V, H], packed or quantized
+    ids: torch.Tensor,  # [...]
+    dtype: torch.dtype = torch.bfloat16,  # a quantized table's rows' (the model's)
+) -> torch.Tensor:  # [..., H]
+    """table[ids] of a table [V, H], packed, or quantized (rows in dtype: quantized_layout.rows_of).
     Example: id 37 of a packed table is packed[1, :, 5] ([H / 2, 2]: its pairs of features), flattened."""
     if is_quantized(table):
-        return rows_of(table, ids)
+        return rows_of(table, ids, dtype)
     if not is_packed(table):
         return nn.functional.embedding(ids, table)
     flat = ids.reshape(-1)

@@ -1,5 +1,6 @@
 """Weights quantized in groups along the input dimension, in the block layout of redline's CPU kernels
-(csrc/quantized_rows_bf16.cpp for int4, csrc/int8_rows_vnni.cpp for int8): codes q (0 .. 15 or 0 .. 255)
+(csrc/quantized_rows_bf16.cpp for int4, csrc/int8_rows_vnni.cpp for int8 on AVX-512 BF16; both widths in
+csrc_avx2/quantized_rows_avx2.cpp on AVX2): codes q (0 .. 15 or 0 .. 255)
 with an fp16 scale s and zero z per group of G weights of one row, w = q * s + z, the shape of llama.cpp's
 Q4_1 / Q8_0 (GGUF loads into it exactly: a Q8_0 code c is q = c + 128 with z = -128 s).
 
@@ -26,15 +27,16 @@ from redline.engine_config import INT4_GROUP_SIZES
 
 BLOCK_ROWS = 32  # kernels/csrc/kernels.h PACK_ROWS
 SCALE_BYTES = 4 * BLOCK_ROWS  # a group's 32 fp16 scales and 32 fp16 zeros
-BITS_OF = {torch.uint8: 4, torch.int8: 8}
 
 
+# No table of dtypes: a compiled layer region (invoke_subgraph) cannot guard on a global dict's entry, and a
+# lookup of one failed its compile ("failed to resolve source ... BITS_OF[torch.uint8]").
 def is_quantized(weight: torch.Tensor) -> bool:
-    return weight.dim() == 3 and weight.dtype in BITS_OF
+    return weight.dim() == 3 and weight.dtype in (torch.uint8, torch.int8)
 
 
-def bits_of(weight: torch.Tensor) -> int:
-    return BITS_OF[weight.dtype]
+def bits_of(weight: torch.Tensor) -> int:  # uint8: int4 codes; int8: int8 codes
+    return 4 if weight.dtype == torch.uint8 else 8
 
 
 def group_of(weight: torch.Tensor) -> int:
@@ -96,8 +98,12 @@ def dequantize(weight: torch.Tensor) -> torch.Tensor:  # quantized -> [N, K] fp3
     return groups.reshape(n, k)
 
 
-def rows_of(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # quantized [V, K], ids [...]
-    """The weight's rows `ids` read back ([..., K] bf16): an embedding table tied to a quantized head. Only
+def rows_of(
+    weight: torch.Tensor,  # quantized [V, K]
+    ids: torch.Tensor,  # [...]
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:  # [..., K] in dtype
+    """The weight's rows `ids` read back: an embedding table tied to a quantized head. Only
     each row's own bytes are read. Example, int8, G = 32: id 37 is block 1, half 0 (rows 32-47), row 5 of
     it, so in each group its codes are bytes p * 64 + 10 and p * 64 + 11 of pair p (k = 2p and 2p + 1), and
     its scale and zero bytes 1024 + 2 * 5 and 1024 + 64 + 2 * 5 (after the group's 16 pairs of codes)."""
@@ -117,7 +123,7 @@ def rows_of(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # quantiz
     fp16 = codes + 2 * (flat % BLOCK_ROWS)[:, None, None] + torch.arange(2)  # [T, 1, 2]: a scale's 2 bytes
     scale, zero = (raw[(*in_block, fp16 + at)].view(torch.float16).float() for at in (0, 2 * BLOCK_ROWS))
     rows = q.float() * scale + zero  # [T, groups, G] * [T, groups, 1]
-    return rows.to(torch.bfloat16).reshape(*ids.shape, groups * g)
+    return rows.to(dtype).reshape(*ids.shape, groups * g)
 
 
 QUANTIZE_ROWS = 2048  # rows a quantize() pass takes (whole blocks): a head's temporaries a slice at a time

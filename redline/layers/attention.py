@@ -12,7 +12,7 @@ from redline.config import ModelConfig
 from redline.kernels.attention_core import STEP_QUERIES, tree_visible
 from redline.kernels.paged_kv import BLOCK, gather_blocks, kv_bucket
 from redline.layers.backends import TORCH, Backends, backend_name
-from redline.layers.linear import Linear, fuse_weights, product
+from redline.layers.linear import Linear, fuse_weights, product, quantized_parts
 from redline.layers.norm import rms_normalize
 from redline.layers.rotary import Rotary
 from redline.quant.fp8 import FP8, FP8_MAX
@@ -174,10 +174,12 @@ class Attention(nn.Module):
         self.qkv_weight: torch.Tensor | None = None  # [q + 2 kv features, in]: see fuse_qkv
 
     def fuse_qkv(self) -> None:
-        """After loading, with fused projections: q_proj, k_proj and v_proj become views of one weight,
-        multiplied once per step (linear.fuse_weights). Not when quantization replaced the linears."""
-        if self.fuse and self.qkv_weight is None:
-            self.qkv_weight = fuse_weights((self.q_proj, self.k_proj, self.v_proj), self.packed)
+        """After loading, with fused projections or quantized weights (linear.quantized_parts): q_proj,
+        k_proj and v_proj become views of one weight, multiplied once per step (linear.fuse_weights). Not
+        when quantization replaced the linears by other modules."""
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        if (self.fuse or quantized_parts(parts)) and self.qkv_weight is None:
+            self.qkv_weight = fuse_weights(parts, self.packed)
 
     def forward(
         self,

@@ -77,14 +77,14 @@ def product(
     F.linear's blocked GEMM (4x at 72 rows), and larger batches take F.linear. Prompts take F.linear. A
     packed weight takes the packed kernel (cpu_ops.few_rows_bf16) at any number of rows, and so does a
     quantized one (kernels/quantized_layout.py) where few_rows is that kernel; elsewhere a quantized weight
-    is multiplied dequantized (a machine without AVX-512 BF16, a model in another dtype). On the 2-D x:
+    takes quantized_product. On the 2-D x:
     torch's CPU bf16 matmul on a strided 3-D slice such as the prefill's last position hidden[:, -1:]
     ([1, 1, 576], strides (T*576, 576, 1)) took ~200 ms, not ~8 ms."""
     if is_packed(weight) or (is_quantized(weight) and few_rows is cpu_ops.few_rows_bf16):  # any rows
         y = cpu_ops.few_rows_bf16(x, weight)
         return y if bias is None else y + bias
     if is_quantized(weight):
-        return F.linear(x, dequantize(weight).to(x.dtype), bias)
+        return quantized_product(x, weight, bias)
     rows = x.shape[0]
     whole_step = few_rows in ROW_INDEPENDENT and tokens <= STEP_QUERIES and rows <= WHOLE_STEP_ROWS
     if few_rows is None or (rows > FEW_ROWS and not whole_step):
@@ -93,9 +93,31 @@ def product(
     return y if bias is None else y + bias
 
 
+def quantized_product(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # quantized (kernels/quantized_layout.py) [N / 32, K / G, ...]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N]
+    """x @ weight^T + bias off the AVX-512 BF16 kernel's path: the AVX2 kernel (cpu_ops.quantized_rows, once
+    cpu_ops.load_avx2() has loaded it) for fp32 or bf16 rows on the CPU, any number of them (each row its own
+    sums, so a verify step's rows equal one-row products; at 2,048 rows about as fast as the dequantized
+    weight's GEMM, faster below: BENCHMARKS.md "Quantized weights on AVX2"), else the dequantized weight
+    through F.linear (a machine without AVX2, an fp16 model)."""
+    if x.is_cpu and x.dtype in (torch.float32, torch.bfloat16) and cpu_ops.quantized_rows_loaded():
+        y = cpu_ops.quantized_rows(x, weight)
+        return y if bias is None else y + bias
+    return F.linear(x, dequantize(weight).to(x.dtype), bias)
+
+
 def tokens_per_sequence(x: torch.Tensor) -> int:  # x [B, T, features] or [rows, features]
     """T for a batch of sequences; a 2-D input counts as one sequence of its rows."""
     return x.shape[-2] if x.dim() > 2 else x.shape[0]
+
+
+def quantized_parts(linears: Sequence[nn.Module]) -> bool:
+    """Whether the linears are plain Linears without biases holding quantized weights: fused (q/k/v, gate/up)
+    whatever the backends say, so that a step makes one call of a quantized kernel where it made three."""
+    return all(type(p) is Linear and p.bias is None and is_quantized(p.weight) for p in linears)
 
 
 def fuse_weights(linears: Sequence[nn.Module], packed: bool = False) -> torch.Tensor | None:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from redline.layers.backends import TORCH, Backends, backend_name
-from redline.layers.linear import Linear, fuse_weights, product, tokens_per_sequence
+from redline.layers.linear import Linear, fuse_weights, product, quantized_parts, tokens_per_sequence
 
 
 class MLP(nn.Module):
@@ -38,12 +38,14 @@ class MLP(nn.Module):
         return self.down_proj((F.silu(gate) * up).view(*x.shape[:-1], -1))
 
     def fuse_gate_up(self) -> None:
-        """After loading, for the SwiGLU kernel or fused projections: gate_proj and up_proj become views of
-        one weight (no extra memory). Nothing to do without either, or when quantization replaced the
-        linears."""
-        if (self.swiglu is None and not self.fuse) or self.gate_up_weight is not None:
+        """After loading, for the SwiGLU kernel, fused projections or quantized weights
+        (linear.quantized_parts): gate_proj and up_proj become views of one weight (no extra memory).
+        Nothing to do without any, or when quantization replaced the linears by other modules."""
+        parts = (self.gate_proj, self.up_proj)
+        wanted = self.swiglu is not None or self.fuse or quantized_parts(parts)
+        if not wanted or self.gate_up_weight is not None:
             return
-        self.gate_up_weight = fuse_weights((self.gate_proj, self.up_proj), self.packed)
+        self.gate_up_weight = fuse_weights(parts, self.packed)
         if self.gate_up_weight is None:  # quantized after construction (tests do)
             self.swiglu, self.fuse = None, False
 

@@ -11,6 +11,7 @@ import torch
 
 from redline.config import ModelConfig
 from redline.engine_config import WEIGHT_ONLY
+from redline.kernels import cpu_ops
 from redline.layers.backends import TORCH, Backends
 from redline.models.eagle3 import Eagle3Draft, aux_layers_of, load_draft
 from redline.models.expert_layout import per_expert_part, rank_part
@@ -121,7 +122,7 @@ def load_target(
     quantization "fp8" quantizes a high-precision checkpoint while loading (each decoder linear and
     expert module as soon as its weights are read, so the high-precision model never sits in memory whole),
     "int4" / "int8" the decoder's linears to weight-only codes in groups of group_size (CPU: the C++
-    kernel's layout where the backends pack weights, kernels/quantized_layout.py, and the head int8; else
+    kernels' layout where one runs, _blocks, kernels/quantized_layout.py, and the head int8; else
     quant/int4.py for int4; CUDA: quant/weight_only_gpu.py), "gguf" a .gguf import's decoder and head as
     the file holds them (models/gguf_blocks.py);
     FP8 checkpoints load as FP8 whatever it says, and GPTQ / AWQ / compressed-tensors int4 and int8
@@ -132,15 +133,13 @@ def load_target(
     ints = int_scheme(whole.raw, str(Path(model_dir) / "config.json"))
     if ints is not None and quantization is not None:
         raise ValueError(f"{model_dir} holds {ints} weights: --quantization takes a high-precision one")
-    if ints is not None and torch.device(device).type != "cpu":
-        raise ValueError(f"{model_dir} holds {ints} weights, which load on CPU (not wired to CUDA yet)")
     scaled_mm = scaled_mm_available(torch.device(device))
     model = skeleton(model_dir, tp, scaled_mm, backends, aux_layers)
     hook, weight_only = None, None
     optional = ["lm_head.weight"] if whole.tie_word_embeddings else []
     rename = checkpoint_key_to_module_key(whole, tp)
     if ints is not None:
-        hook = _int_checkpoint_hook(model, model_dir, whole, ints.bits, backends, dtype)
+        hook = _int_checkpoint_hook(model, model_dir, whole, ints.bits, backends, dtype, torch.device(device))
         optional += hook.optional
         rename = _skipping(rename, hook.extra_bias)
     elif scheme is None and quantization in ("fp8", *WEIGHT_ONLY):
@@ -174,18 +173,21 @@ def load_target(
     return model.eval()
 
 
-def _blocks(backends: Backends, dtype: torch.dtype) -> bool:
-    """Where weight-only weights take the C++ kernel's layout: the backends pack bf16 weights."""
-    return backends.packed_weights and dtype == torch.bfloat16
+def _blocks(backends: Backends, dtype: torch.dtype, device: torch.device) -> bool:
+    """Where weight-only weights take the C++ kernels' layout (kernels/quantized_layout.py): where the
+    backends pack bf16 weights (the AVX-512 BF16 kernels), or on a CPU where the AVX2 kernel loads, for
+    fp32 and bf16 models (cpu_ops.load_avx2, layers/linear.quantized_product)."""
+    if backends.packed_weights and dtype == torch.bfloat16:
+        return True
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_ops.load_avx2()
 
 
 def _kernel_path(backends: Backends, dtype: torch.dtype, what: str) -> bool:
-    """Whether weight-only weights take the C++ kernel's layout (`blocks`): where the backends pack bf16
-    weights. Without it int8 and gguf weights are multiplied dequantized, a warned slow path (int4 takes
-    torch's int4 kernel)."""
-    blocks = _blocks(backends, dtype)
+    """Whether weight-only weights on the CPU take the C++ kernels' layout (`blocks`, _blocks). Without it
+    int8 and gguf weights are multiplied dequantized, a warned slow path (int4 takes torch's int4 kernel)."""
+    blocks = _blocks(backends, dtype, torch.device("cpu"))
     if not blocks and what != "int4":
-        why = f"redline: {what} weights without the AVX-512 BF16 kernels (or in {dtype}) are "
+        why = f"redline: {what} weights without the CPU kernels (AVX2 or AVX-512 BF16; or in {dtype}) are "
         warnings.warn(why + "dequantized at every product: slower than unquantized", stacklevel=4)
     return blocks
 
@@ -203,11 +205,14 @@ def _skipping(rename, skipped: Callable[[str], bool]):
 
 def _int_checkpoint_hook(
     model: LlamaForCausalLM, model_dir: str | Path, config: ModelConfig, bits: int, backends: Backends,
-    dtype: torch.dtype,
+    dtype: torch.dtype, device: torch.device,
 ) -> IntCheckpointLoad:  # fmt: skip
+    """On CUDA the GPU kernel's layout (quant/weight_only_gpu.py), on CPU the C++ kernel's where it runs."""
     rename = checkpoint_key_to_module_key(config)
     present = {key for key in map(rename, checkpoint_files(Path(model_dir))) if isinstance(key, str)}
-    return IntCheckpointLoad(model, present, _kernel_path(backends, dtype, f"int{bits}"), dtype)
+    if device.type == "cuda":
+        return IntCheckpointLoad(model, present, False, dtype, gpu=device)
+    return IntCheckpointLoad(model, present, _kernel_path(backends, dtype, f"int{bits}"), dtype, gpu=None)
 
 
 def _weight_source(
@@ -221,8 +226,8 @@ def _weight_source(
     device: torch.device,
 ) -> WeightSource:
     """int4 / int8 on load (WeightOnly; on CUDA the Triton kernel's layout), or a .gguf's own tensors
-    (models/gguf_blocks.py; one process: its tensors are whole), on CPU in the C++ kernel's layout where the
-    backends pack bf16 weights (_kernel_path)."""
+    (models/gguf_blocks.py; one process: its tensors are whole), on CPU in the C++ kernels' layout where
+    one runs (_kernel_path)."""
     bits = 8 if quantization == "int8" else 4
     if device.type == "cuda" and quantization != "gguf":
         return WeightOnly(bits, group_size, False, dtype, gpu=True)
@@ -257,7 +262,7 @@ def load_with_draft(
     target = load_target(target_dir, dtype, device, quantization, tp, backends, aux, group_size)
     ints, draft_weights = int_scheme(config.raw), None
     quantized = quantization in WEIGHT_ONLY or ints is not None
-    if quantized and _blocks(backends, dtype):
+    if quantized and _blocks(backends, dtype, torch.device(device)):
         bits = ints.bits if ints is not None else 8 if quantization == "int8" else 4
         draft_weights = WeightOnly(bits, group_size, True, dtype)
     return target, load_draft(draft_dir, target, dtype, device, backends, draft_weights)

@@ -15,7 +15,8 @@ row, w = (u - zc) * s, as each format defines it:
 
 and then written into the layout: kernels/quantized_layout.py on the C++ kernel's path (q = u for int4,
 the same for int8; zero = -zc s in fp16, exact for symmetric schemes, where zc s is a power-of-two multiple of
-s), else quant/int4.py's Int4Linear (int4) or the layout multiplied dequantized (int8). A per-channel
+s), on CUDA quant/weight_only_gpu.py's (the same q, scale and zero in fp16; made on the CPU, then moved),
+else quant/int4.py's Int4Linear (int4) or the layout multiplied dequantized (int8). A per-channel
 checkpoint (one group a row) repeats its scale over the layout's groups, exactly.
 Act order (a g_idx that is not k // group): the inputs are sorted by group, so that groups are runs of
 `group` inputs, and the linear permutes its input the same way (layers/input_order.py).
@@ -36,9 +37,10 @@ from redline.models.huge_pages import trim_heap
 from redline.models.loader import PendingModules
 from redline.models.quantize import decoder_targets
 from redline.quant.int4 import OUT_MULTIPLE, Int4Linear
-from redline.quant.int_packing import awq_unpack, unpack_int32
+from redline.quant.int_packing import awq_unpack, pack_int32, unpack_int32
 from redline.quant.int_scheme import IntScheme
 from redline.quant.scheme import Fp8Scheme
+from redline.quant.weight_only_gpu import GpuWeightOnlyLinear
 
 GROUPS = (128, 64, 32)  # the layout's group sizes, largest first
 
@@ -131,9 +133,15 @@ def input_order(
     return order
 
 
-def loaded_linear(placeholder: CheckpointLinear, blocks: bool, dtype: torch.dtype) -> tuple[nn.Module, float]:
+def loaded_linear(
+    placeholder: CheckpointLinear, blocks: bool, dtype: torch.dtype, gpu: torch.device | None = None
+) -> tuple[nn.Module, float]:
     """The linear in redline's layout (the module doc), and how far storing its scales and zeros moved its
-    weights, in steps: fp16 in the C++ kernel's layout, `dtype` in torch's int4 kernel."""
+    weights, in steps: fp16 in the C++ kernel's layout and the GPU kernel's, `dtype` in torch's int4 kernel.
+    gpu: the device of the GPU kernel's layout (None: a CPU layout); the layout is made on the CPU (the
+    linear's tensors copied there: an absent g_idx stays on meta), then moved to the device."""
+    if gpu is not None:
+        placeholder = placeholder._apply(lambda t: t if t.is_meta else t.cpu())
     scheme, name = placeholder.scheme, placeholder.name
     n, k = placeholder.out_features, placeholder.in_features
     u, zc, s, g_idx = placeholder.codes()
@@ -147,8 +155,12 @@ def loaded_linear(placeholder: CheckpointLinear, blocks: bool, dtype: torch.dtyp
     zc, s = zc.repeat_interleave(size // group, 1), s.repeat_interleave(size // group, 1)
     zero = -zc * s
     bias = None if placeholder.bias is None else placeholder.bias.detach().to(dtype)
-    if scheme.bits == 4 and not blocks:
-        module: nn.Module = Int4Linear.from_codes(u, s, zero, group, bias, dtype)
+    if gpu is not None:
+        codes = pack_int32(u, 4) if scheme.bits == 4 else u.to(torch.uint8)
+        module: nn.Module = GpuWeightOnlyLinear(codes, s.half(), zero.half(), bias)
+        kept_s, kept_zero = s.half().float(), zero.half().float()
+    elif scheme.bits == 4 and not blocks:
+        module = Int4Linear.from_codes(u, s, zero, group, bias, dtype)
         kept_s = s.to(dtype).float()  # the kernel's zero is zero + 8 s, in dtype
         kept_zero = (zero + 8 * s).to(dtype).float() - 8 * kept_s
     else:
@@ -159,23 +171,26 @@ def loaded_linear(placeholder: CheckpointLinear, blocks: bool, dtype: torch.dtyp
     # a weight moves by at most |dz| + 2^bits |ds|: in steps s
     moved = (kept_zero - zero).abs() + (1 << scheme.bits) * (kept_s - s).abs()
     moved = float((moved / s.clamp(min=2**-24)).max())
-    return (module if order is None else InputOrdered(module, order)), moved
+    module = module if order is None else InputOrdered(module, order)
+    return (module if gpu is None else module.to(gpu)), moved
 
 
 class IntCheckpointLoad:
     """A loader hook (models/loader.py LoadHook): each CheckpointLinear, once its tensors are in (a GPTQ g_idx
     only where the checkpoint holds one: `optional` lists the others), replaced by its loaded_linear. Its
     tensors load in their on-disk dtypes (fp16 scales stay fp16), its bias in the model's. Every linear's
-    shape is checked against its layout before any weight is read."""
+    shape is checked against its layout before any weight is read. gpu: as loaded_linear's."""
 
-    def __init__(self, model: nn.Module, present: set[str], blocks: bool, dtype: torch.dtype) -> None:
-        self.blocks, self.model_dtype, self.moved, self.count = blocks, dtype, 0.0, 0
+    def __init__(
+        self, model: nn.Module, present: set[str], blocks: bool, dtype: torch.dtype, gpu: torch.device | None
+    ) -> None:  # fmt: skip
+        self.blocks, self.model_dtype, self.gpu, self.moved, self.count = blocks, dtype, gpu, 0.0, 0
         self.optional: list[str] = []
         self._pending = PendingModules()
         self._coded: set[str] = set()  # the checkpoint's tensors of codes, scales and zeros
         for name, module in model.named_modules():
             if isinstance(module, CheckpointLinear):
-                check_layout(module, blocks)
+                check_layout(module, blocks, gpu is not None)
                 coded = {f"{name}.{key}" for key in tensor_shapes(module.scheme, 1, 1)}
                 absent = {key for key in coded if key.endswith(".g_idx") and key not in present}
                 self.optional += sorted(absent)
@@ -198,7 +213,7 @@ class IntCheckpointLoad:
         if (done := self._pending.complete(module_key)) is None:
             return
         parent, attribute, _ = done
-        module, moved = loaded_linear(getattr(parent, attribute), self.blocks, self.model_dtype)
+        module, moved = loaded_linear(getattr(parent, attribute), self.blocks, self.model_dtype, self.gpu)
         setattr(parent, attribute, module)
         self.moved, self.count = max(self.moved, moved), self.count + 1
         trim_heap()
@@ -210,11 +225,13 @@ class IntCheckpointLoad:
         print(f"redline: {self.count} linears of a {self.scheme} checkpoint loaded{moved}", file=sys.stderr)
 
 
-def check_layout(placeholder: CheckpointLinear, blocks: bool) -> None:
+def check_layout(placeholder: CheckpointLinear, blocks: bool, gpu: bool = False) -> None:
     """ValueError naming the linear when its layout cannot take its shape: outputs in blocks of 32 rows (the
-    C++ kernel's layout) or 16 (torch's int4 kernel), groups the layout holds."""
+    C++ kernel's layout) or 16 (torch's int4 kernel), groups the layout holds (all the GPU kernel needs)."""
     scheme, n, k = placeholder.scheme, placeholder.out_features, placeholder.in_features
     group = layout_group(k if scheme.group is None else scheme.group, k, placeholder.name)
+    if gpu:
+        return
     kernel = scheme.bits == 4 and not blocks
     rows, kind = (OUT_MULTIPLE, "torch's int4") if kernel else (quantized_layout.BLOCK_ROWS, "quantized")
     quantized_layout.check_shape(k, n, group, placeholder.name, rows, kind)

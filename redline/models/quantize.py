@@ -87,10 +87,10 @@ def quantized_weights(model: nn.Module, scheme: Fp8Scheme, experts: bool = True)
 class WeightOnly:
     """Weight-only quantization on load: `bits` (4 or 8) in groups of `group` along the input dimension.
     gpu: quant/weight_only_gpu.py's linears (a Triton kernel), the head as it is. On CPU, blocks: the C++
-    kernel's layout (kernels/quantized_layout.py, held by the Linear itself, which the backends' product
-    and one-call layer take), and the head in int8 once loaded (quantize_head); else int4 as
-    quant/int4.py's Int4Linear (torch's int4 kernel) and int8 in the layout, multiplied by its dequantized
-    weight (no AVX-512 BF16 kernel), the head as it is."""
+    kernels' layout (kernels/quantized_layout.py, held by the Linear itself, which the backends' product
+    and one-call layer take: AVX-512 BF16's, or AVX2's, layers/linear.quantized_product), and the head in
+    int8 once loaded (quantize_head); else int4 as quant/int4.py's Int4Linear (torch's int4 kernel) and
+    int8 in the layout, multiplied by its dequantized weight (no kernel), the head as it is."""
 
     bits: int
     group: int
@@ -155,13 +155,14 @@ def quantize_head(model: nn.Module, quantized_of: Callable[[torch.Tensor], torch
     then shares) replaced by quantized_of(its weight [V, H]) where that is not None (WeightOnly.head: int8
     as the SmolLM2 Q4_1 GGUF holds its tied table, Q8_0; GgufWeights.head: the file's own)."""
     tied = model.config.tie_word_embeddings
-    weight = quantized_of(model.model.embed_tokens.weight if tied else model.lm_head.weight)
+    loaded = model.model.embed_tokens.weight if tied else model.lm_head.weight  # in the model's dtype
+    weight = quantized_of(loaded)
     if weight is None:
         return
     quantized = nn.Parameter(weight, requires_grad=False)
     model.lm_head.weight = quantized
-    if tied:
-        model.model.embed_tokens.weight = quantized
+    if tied:  # (a tied head is not loaded: still the skeleton's, in fp32)
+        model.model.embed_tokens.weight, model.model.embed_tokens.rows_dtype = quantized, loaded.dtype
 
 
 def quantize_draft(draft: nn.Module, weight_only: WeightOnly) -> None:

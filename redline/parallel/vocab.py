@@ -28,14 +28,15 @@ class VocabParallelEmbedding(nn.Embedding):
     def __init__(self, vocab: int, hidden: int, tp: TensorParallel):
         super().__init__(vocab_block(vocab, tp.size), hidden)
         self.tp, self.first = tp, tp.rank * vocab_block(vocab, tp.size)
+        self.rows_dtype = torch.bfloat16  # a quantized table's rows' (models/quantize.quantize_head sets it)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., hidden]
-        """The table is [V, H], or packed where it is a head's (kernels/packed_layout.py)."""
+        """The table is [V, H], or packed or quantized where it is a head's (kernels/packed_layout.py)."""
         if self.tp.size == 1:
-            return embedding_rows(self.weight, ids)
+            return embedding_rows(self.weight, ids, self.rows_dtype)
         local = ids - self.first
         mine = (local >= 0) & (local < self.num_embeddings)
-        rows = embedding_rows(self.weight, local.clamp(0, self.num_embeddings - 1))
+        rows = embedding_rows(self.weight, local.clamp(0, self.num_embeddings - 1), self.rows_dtype)
         return self.tp.all_reduce(rows * mine[..., None].to(rows.dtype))
 
 

@@ -21,7 +21,8 @@ constexpr int64_t PACK_ROWS = 32;
 void packed_rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, at::BFloat16* y);
 
 // A weight of y = x @ w^T for N outputs of K inputs: bf16 [N, K] row-major or packed, or quantized in
-// groups of `group` along k (bits 4: quantized_rows_bf16.cpp; bits 8: int8_rows_vnni.cpp)
+// groups of `group` along k (bits 4: quantized_rows_bf16.cpp; bits 8: int8_rows_vnni.cpp; both on AVX2:
+// ../csrc_avx2/quantized_rows_avx2.cpp)
 struct Weight {
   const void* data;
   int64_t N, K;
