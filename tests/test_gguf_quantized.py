@@ -180,6 +180,27 @@ def test_smollm2_runs_its_q4_1_file_as_the_file_holds_it():
     assert speculated.acceptance_length > 1.5  # 2.02 measured; a draft fed int codes as inputs gave 1.0
 
 
+@avx2
+@smollm2
+def test_smollm2_in_fp32_runs_its_q4_1_file_on_the_avx2_kernel():
+    """The real file in fp32 (an AVX2 CPU's default): every decoder linear int4 (Q4_1), the tied table int8
+    (Q8_0), every product through the AVX2 kernel; a 1,000-token ShareGPT text's log-probabilities within
+    1/32 of the bf16 import's distance from the fp32 import (the same weights, dequantized: what is left is
+    x carried in int16)."""
+    path = smollm2_gguf()
+    llm = LLM(path, dtype="float32", max_batch=1, max_seq_len=1200, quantization="gguf")
+    decoder = [m.weight for n, m in llm.model.named_modules() if n.rpartition(".")[2] in QUANTIZED]
+    assert {w.dtype for w in decoder} == {torch.uint8} and llm.model.lm_head.weight.dtype == torch.int8
+    text = " ".join(m["content"] for c in sharegpt.conversations("held_out")[:20] for m in c.messages)
+    tokens = llm.tokenizer.encode(text, add_special_tokens=False)[:1000]
+    assert len(tokens) == 1000
+    fp32 = LLM(gguf_model_dir(path, torch.float32, progress=False), dtype="float32").log_probs(tokens)
+    bf16 = LLM(gguf_model_dir(path, torch.bfloat16, progress=False), dtype="bfloat16").log_probs(tokens)
+    error, bf16_error = (llm.log_probs(tokens) - fp32).abs().max(), (bf16.float() - fp32).abs().max()
+    print(f"gguf on AVX2: {error:.5f} from the fp32 import; bf16 {bf16_error:.4f}")
+    assert error <= bf16_error / 32
+
+
 def test_gguf_quantization_needs_a_gguf(tmp_path, tokenizer_dir):
     target = save_hf_model(build_hf_model(llama3_hf_config()), tmp_path / "t", tokenizer_dir)
     with pytest.raises(ValueError, match=f"quantization 'gguf' runs a .gguf file's own tensors; {target}"):

@@ -24,7 +24,6 @@
 #include <torch/types.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <memory>
 #include <type_traits>
