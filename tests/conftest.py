@@ -13,6 +13,9 @@ if not torch.cuda.is_available():  # Triton kernels run in the interpreter on CP
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # engines compile on CPU by default (runner/build.compiles); here only the tests that ask do
 os.environ.setdefault("REDLINE_COMPILE", "0")
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # `make test` runs a worker per core: the cores shared out
+    workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
 
 from redline.train.bpe import train_bpe_tokenizer
 from redline.train.data import stdlib_texts

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from redline.cli import main
+from redline.dtypes import fast_dtype
 from redline.evaluate.sandbox import run_python
 from redline.evaluate.tasks import chosen_letter, final_answer, load_tasks, score
 
@@ -126,4 +127,6 @@ def test_eval_hands_its_engine_flags_to_every_configuration(monkeypatch, capsys)
     ]
     assert main([*argv, "--compare", "fp8"]) == 0
     assert seen["tensor_parallel_size"] == 2 and seen["expert_parallel"] is True
-    assert seen["names"] == ["bf16", "fp8"] and seen["dtypes"] == ["bfloat16", "fp8"]
+    base = fast_dtype("cpu")  # no --dtype: bf16 where the CPU computes it natively (AVX-512 BF16), else fp32
+    assert seen["names"] == [{"bfloat16": "bf16", "float32": "fp32"}[base], "fp8"]
+    assert seen["dtypes"] == [base, "fp8"]

@@ -56,11 +56,12 @@ def test_rejection_verify_acceptance_rate_is_min_one_p_over_q():
     assert (rejected == 1).all()  # residual max(p - q, 0) = [0, 0.5, 0, 0] -> token 1 only
 
 
-@pytest.mark.parametrize("rows, k", [(1, 3), (16, 8)])
+@pytest.mark.parametrize("rows, k", [(1, 3), (16, 8), (7, 31)])
 def test_compiled_verification_equals_eager(rows, k):
     """Both chain verifications compiled (inductor, CPU) give the eager paths, every prefix length from none
-    accepted to all: the first rejection is found by an argmin over a [B, K + 1] uint8 tensor, the reduction
-    whose vectorized argmax twin returned indices past the end on trees' [B, 4] masks (test_tree.py)."""
+    accepted to all: the first rejection is a min over positions, where inductor's vectorized argmin over
+    a [16, 9] uint8 tensor returned 0 for every row on AVX2 CPUs, as its argmax twin returned indices past
+    the end on trees' [B, 4] masks (test_tree.py); K = 31 is no multiple of a vector's width."""
     torch._dynamo.reset()
     vocab = 7
     greedy, sampled = (torch.compile(f, fullgraph=True) for f in (greedy_verify, rejection_verify))

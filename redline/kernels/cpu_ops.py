@@ -179,9 +179,11 @@ def load_avx2() -> bool:
 
 
 def quantized_kernel(dtype: torch.dtype) -> bool:
-    """Whether a C++ kernel here multiplies quantized weights for a model in dtype: AVX-512 BF16's (bf16,
-    with the backends that pack weights) or AVX2's (fp32 or bf16); loads it."""
-    return (dtype == torch.bfloat16 and load()) or (dtype in (torch.float32, torch.bfloat16) and load_avx2())
+    """Whether a C++ kernel here multiplies quantized weights for a model in dtype: AVX2's (fp32 or bf16,
+    linear.quantized_product) or AVX-512 BF16's (bf16, where the backends pack weights); loads them. AVX2's
+    is loaded first, so a bf16 model whose backends do not pack weights still has it."""
+    avx2 = dtype in (torch.float32, torch.bfloat16) and load_avx2()
+    return avx2 or (dtype == torch.bfloat16 and load())
 
 
 def quantized_rows_loaded() -> bool:

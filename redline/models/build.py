@@ -122,7 +122,7 @@ def load_target(
     quantization "fp8" quantizes a high-precision checkpoint while loading (each decoder linear and
     expert module as soon as its weights are read, so the high-precision model never sits in memory whole),
     "int4" / "int8" the decoder's linears to weight-only codes in groups of group_size (CPU: the C++
-    kernels' layout where one runs, _blocks, kernels/quantized_layout.py, and the head int8; else
+    kernels' layout where one runs, _kernel_path, kernels/quantized_layout.py, and the head int8; else
     quant/int4.py for int4; CUDA: quant/weight_only_gpu.py), "gguf" a .gguf import's decoder and head as
     the file holds them (models/gguf_blocks.py);
     FP8 checkpoints load as FP8 whatever it says, and GPTQ / AWQ / compressed-tensors int4 and int8
@@ -139,12 +139,12 @@ def load_target(
     optional = ["lm_head.weight"] if whole.tie_word_embeddings else []
     rename = checkpoint_key_to_module_key(whole, tp)
     if ints is not None:
-        hook = _int_checkpoint_hook(model, model_dir, whole, ints.bits, backends, dtype, torch.device(device))
+        hook = _int_checkpoint_hook(model, model_dir, whole, ints.bits, dtype, torch.device(device))
         optional += hook.optional
         rename = _skipping(rename, hook.extra_bias)
     elif scheme is None and quantization in ("fp8", *WEIGHT_ONLY):
         if quantization in WEIGHT_ONLY:
-            options = (quantization, group_size, backends, dtype, tp, torch.device(device))
+            options = (quantization, group_size, dtype, tp, torch.device(device))
             weight_only = _weight_source(model_dir, whole, *options)
         hook = QuantizeOnLoad(model, Fp8Scheme(tuple(HIGH_PRECISION)), scaled_mm, weight_only)
         rename, optional = _skipping(rename, hook.supplied.__contains__), optional + sorted(hook.supplied)
@@ -173,19 +173,11 @@ def load_target(
     return model.eval()
 
 
-def _blocks(backends: Backends, dtype: torch.dtype, device: torch.device) -> bool:
-    """Where weight-only weights take the C++ kernels' layout (kernels/quantized_layout.py): where the
-    backends pack bf16 weights (the AVX-512 BF16 kernels), or on a CPU where the AVX2 kernel loads, for
-    fp32 and bf16 models (cpu_ops.load_avx2, layers/linear.quantized_product)."""
-    if backends.packed_weights and dtype == torch.bfloat16:
-        return True
-    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_ops.load_avx2()
-
-
-def _kernel_path(backends: Backends, dtype: torch.dtype, what: str) -> bool:
-    """Whether weight-only weights on the CPU take the C++ kernels' layout (`blocks`, _blocks). Without it
-    int8 and gguf weights are multiplied dequantized, a warned slow path (int4 takes torch's int4 kernel)."""
-    blocks = _blocks(backends, dtype, torch.device("cpu"))
+def _kernel_path(dtype: torch.dtype, what: str) -> bool:
+    """Whether weight-only weights on the CPU take the C++ kernels' layout (kernels/quantized_layout.py):
+    where a kernel multiplies them (cpu_ops.quantized_kernel). Without it int8 and gguf weights are
+    multiplied dequantized, a warned slow path (int4 takes torch's int4 kernel)."""
+    blocks = cpu_ops.quantized_kernel(dtype)
     if not blocks and what != "int4":
         why = f"redline: {what} weights without the CPU kernels (AVX2 or AVX-512 BF16; or in {dtype}) are "
         warnings.warn(why + "dequantized at every product: slower than unquantized", stacklevel=4)
@@ -204,15 +196,15 @@ def _skipping(rename, skipped: Callable[[str], bool]):
 
 
 def _int_checkpoint_hook(
-    model: LlamaForCausalLM, model_dir: str | Path, config: ModelConfig, bits: int, backends: Backends,
-    dtype: torch.dtype, device: torch.device,
+    model: LlamaForCausalLM, model_dir: str | Path, config: ModelConfig, bits: int, dtype: torch.dtype,
+    device: torch.device,
 ) -> IntCheckpointLoad:  # fmt: skip
     """On CUDA the GPU kernel's layout (quant/weight_only_gpu.py), on CPU the C++ kernel's where it runs."""
     rename = checkpoint_key_to_module_key(config)
     present = {key for key in map(rename, checkpoint_files(Path(model_dir))) if isinstance(key, str)}
     if device.type == "cuda":
         return IntCheckpointLoad(model, present, False, dtype, gpu=device)
-    return IntCheckpointLoad(model, present, _kernel_path(backends, dtype, f"int{bits}"), dtype, gpu=None)
+    return IntCheckpointLoad(model, present, _kernel_path(dtype, f"int{bits}"), dtype, gpu=None)
 
 
 def _weight_source(
@@ -220,7 +212,6 @@ def _weight_source(
     config: ModelConfig,
     quantization: str,
     group_size: int,
-    backends: Backends,
     dtype: torch.dtype,
     tp: TensorParallel,
     device: torch.device,
@@ -231,7 +222,7 @@ def _weight_source(
     bits = 8 if quantization == "int8" else 4
     if device.type == "cuda" and quantization != "gguf":
         return WeightOnly(bits, group_size, False, dtype, gpu=True)
-    blocks = _kernel_path(backends, dtype, quantization)
+    blocks = _kernel_path(dtype, quantization)
     if quantization != "gguf":
         return WeightOnly(bits, group_size, blocks, dtype)
     if tp.size > 1:
@@ -262,7 +253,7 @@ def load_with_draft(
     target = load_target(target_dir, dtype, device, quantization, tp, backends, aux, group_size)
     ints, draft_weights = int_scheme(config.raw), None
     quantized = quantization in WEIGHT_ONLY or ints is not None
-    if quantized and _blocks(backends, dtype, torch.device(device)):
+    if quantized and torch.device(device).type == "cpu" and cpu_ops.quantized_kernel(dtype):
         bits = ints.bits if ints is not None else 8 if quantization == "int8" else 4
         draft_weights = WeightOnly(bits, group_size, True, dtype)
     return target, load_draft(draft_dir, target, dtype, device, backends, draft_weights)

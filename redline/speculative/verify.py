@@ -14,13 +14,15 @@ ACCEPT_STREAM = 1  # random stream of the accept/reject draws (stream 0 picks em
 
 
 def accepted_prefix(accepted: torch.Tensor) -> torch.Tensor:
-    """accepted [B, K] bool -> leading run length [B]: the index of the first rejection, a False appended
-    for rows that accept all. [1, 1, 0, 1] -> [1, 1, 0, 1, 0] -> argmin (the first minimum) -> 2. A
-    reduction the compiler fuses, where cumprod was a library call in the middle of the step."""
-    if accepted.shape[1] == 0:  # no drafts (plain decoding, a prefill's first token): nothing accepted
+    """accepted [B, K] bool -> leading run length [B]: the first position not accepted, K for rows that
+    accept all. [1, 1, 0, 1] -> positions [4, 4, 2, 4] (accepted ones pushed to K) -> min -> 2. A plain
+    min the compiler fuses: cumprod was a library call in the middle of the step, and inductor's
+    vectorized argmin over a uint8 [16, 9] returned 0 for every row on AVX2 CPUs (torch 2.13)."""
+    k = accepted.shape[1]
+    if k == 0:  # no drafts (plain decoding, a prefill's first token): nothing accepted
         return torch.zeros(accepted.shape[0], dtype=torch.int64, device=accepted.device)
-    ended = torch.cat((accepted, torch.zeros_like(accepted[:, :1])), dim=1)
-    return ended.to(torch.uint8).argmin(dim=1)
+    positions = torch.arange(k, device=accepted.device).expand_as(accepted)
+    return torch.where(accepted, k, positions).amin(dim=1)
 
 
 def greedy_verify(choice: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
