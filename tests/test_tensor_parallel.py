@@ -343,15 +343,17 @@ def test_a_worker_that_dies_or_fails_while_starting_is_named_on_rank_0():
 
 def test_the_compiled_step_traces_the_collectives_on_every_rank(tmp_path, tokenizer_dir):
     """compile=True over 2 ranks: each rank compiles its step and prefill with fullgraph=True (a
-    collective that broke the graph would raise), and greedy tokens equal the eager one-process engine's."""
+    collective that broke the graph would raise), and greedy tokens equal the eager one-process engine's.
+    One slot, the argmax path (compile_sampling off, given to every rank): a second slot, or the logits
+    path, doubles the step graphs each rank compiles, with the same collectives."""
     target = save_hf_model(build_hf_model(llama3_hf_config(), seed=5), tmp_path / "t", tokenizer_dir)
     prompts = [torch.randint(5, 384, (n,)).tolist() for n in (40, 9)]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    kw = dict(dtype="float32", max_batch=2, max_seq_len=128, progress=False)
+    kw = dict(dtype="float32", max_batch=1, max_seq_len=128, progress=False)
     want = [c.token_ids for c in LLM(target, compile=False, **kw).generate(prompts, params)]
-    llm = LLM(target, tensor_parallel_size=2, compile=True, **kw)
+    llm = LLM(target, tensor_parallel_size=2, compile=True, compile_sampling=False, **kw)
     try:
-        assert llm.runner.compiled_step is not None
+        assert llm.runner.compiled_step is not None and llm.runner.compiled_step.seen == {(1, False, 0)}
         assert [c.token_ids for c in llm.generate(prompts, params)] == want
     finally:
         llm.close()

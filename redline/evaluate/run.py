@@ -77,7 +77,8 @@ def evaluate(
     for config in configs:
         llm = LLM(config.model_dir, dtype=config.dtype, device=device, max_num_seqs=8, draft=config.draft,
                   quantization=config.quantization, tensor_parallel_size=tensor_parallel_size,
-                  enable_expert_parallel=expert_parallel)  # fmt: skip
+                  enable_expert_parallel=expert_parallel, compile_sampling=False)  # fmt: skip
+        # compile_sampling off: the tasks decode greedily, the logits path's steps never run
         samples = text_windows(llm.tokenizer, texts, window_len, windows)
         lp = [llm.log_probs(w.tolist()) for w in samples]  # [T, V] fp32 per window (every TP rank joins)
         nll = [-x[torch.arange(len(w) - 1), w[1:]].mean().item() for x, w in zip(lp, samples, strict=True)]

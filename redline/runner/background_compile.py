@@ -7,8 +7,9 @@ is a second ModelRunner over the same model (the same weights, built with the co
 shares the eager runner's KV pool (ModelRunner's kv_of) and has its own block tables, decode state and
 sampling tensors. The background thread compiles in two phases:
 
-1. the decode step, every (rows, sampling, k) graph. Each warm-up step runs the twin's own slots, all free
-   then (they compute in the scratch block), so the twin must not serve yet. Once they are compiled, the
+1. the decode step, every (rows, sampling, k) graph it builds (ModelRunner.built_step_keys). Each warm-up
+   step runs the twin's own slots, all free then (they compute in the scratch block), so the twin must not
+   serve yet. Once they are compiled, the
    next execute() copies the eager runner's per-slot state into the twin (DeviceSlots.copy_from: tables,
    decode state with the penalty counts [slots, V], sampling: about 1 MB at 4 slots of SmolLM2) and runs
    on it from then on. Requests in flight continue where they were: their keys and values are already in

@@ -85,9 +85,10 @@ def runner_of(
 ) -> ModelRunner:
     cache, shapes = config.cache, shapes_of(config, ModelConfig.from_dir(config.load.model))
     kv_dtype = cache.torch_dtype(config.load.torch_dtype)
+    compilation = config.compilation
     return ModelRunner(
-        model, shapes, draft, compile, config.compilation.cuda_graphs, kv_dtype, cache.kv_cache_memory_bytes,
-        cache.gpu_memory_utilization, kv_of,
+        model, shapes, draft, compile, compilation.cuda_graphs, kv_dtype, cache.kv_cache_memory_bytes,
+        cache.gpu_memory_utilization, kv_of, compilation.compile_sampling,
     )  # fmt: skip
 
 

@@ -9,10 +9,9 @@ recompile limit. The dimension is marked unbacked: the compiler may not speciali
 nothing can split the range (a backed dynamic size let inductor's CPU code generation guard its
 reductions at 4,096 elements, which doubled the graphs, and the start-up compile, of every context
 past 4,096 tokens: BENCHMARKS.md "Start-up compile"). Every key is known up front
-(Shapes.step_keys); start-up runs each (rows, sampling, k) once (runner/warm_up.py), and after `freeze()` a
-call that would compile raises. Inside each graph the decoder layers are
-nested compile regions (models/llama.run_layer): one layer of each kind is traced and compiled, and
-every layer calls it.
+(ModelRunner.built_step_keys); start-up runs each (rows, sampling, k) once (runner/warm_up.py), and after
+`freeze()` a call that would compile raises. Inside each graph the decoder layers are nested compile
+regions (models/llama.run_layer): one layer of each kind is traced and compiled, and every layer calls it.
 
 Guard evaluation: every call of a function torch.compile wraps first looks up its graph by evaluating
 guards, for an 8-layer model about 2,400 checks on modules, parameters and cache tensors, and even under

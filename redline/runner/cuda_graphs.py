@@ -2,7 +2,7 @@
 
 The step reads and writes only persistent tensors (weights, KV caches, decode state, sampling
 parameters) and draws its random numbers from a hash, so a captured graph replays it exactly. The
-keys are known up front (Shapes.step_keys) and captured at start-up (runner/warm_up.py);
+keys are known up front (ModelRunner.built_step_keys) and captured at start-up (runner/warm_up.py);
 after `freeze()` a key without a graph raises instead of capturing while requests are in flight.
 The warm-up runs before a capture advance the decode state; it is saved and restored around them
 (KV entries they write lie at positions the real step rewrites before reading).

@@ -22,7 +22,7 @@ from redline.models.kv_cache import KVCache
 from redline.models.llama import LlamaForCausalLM
 from redline.runner import kv_budget
 from redline.runner.compiled_prefill import CompiledPrefill, prefill_shapes
-from redline.runner.compiled_step import CompiledStep
+from redline.runner.compiled_step import CompiledStep, Step
 from redline.runner.cuda_graphs import GraphedStep
 from redline.runner.plan import DecodeBatch, DecodeResult, Shapes, StageError, StepPlan, StepResult
 from redline.runner.prefill import DevicePrefill, Prefill
@@ -48,6 +48,7 @@ class ModelRunner:
         kv_cache_memory: int | None = None,  # bytes of KV blocks (None: engine defaults, kv_budget.py)
         gpu_memory_utilization: float = 0.9,  # CUDA without kv_cache_memory: the device's share
         kv_of: ModelRunner | None = None,  # a runner of the same model whose KV pool this one shares
+        compile_sampling: bool = True,  # False: the logits path's steps run `step` eagerly, never built
     ):
         """shapes.k > 0 needs a draft, n-gram lookup (shapes.ngram) or both. The model's layers got their
         kernels when they were built (layers/backends.py); compile wraps the step and the prefill in
@@ -105,18 +106,36 @@ class ModelRunner:
         forward = lambda tokens, positions, tables, kv_len: model(
             tokens, positions, cache.layers, tables, kv_len
         )
-        self._run_step = self.step
         if compile:
             prefill_graphs = 2 * len(prefill_shapes(shapes.cache_len, model.token_count_branches()))
             forward = self.compiled_prefill = CompiledPrefill(model, cache, prefill_graphs)
-            step_graphs = len({(rows, logits, k) for rows, _, logits, k in shapes.step_keys()})
-            self._run_step = self.compiled_step = CompiledStep(self.step, shapes.cache_len, self.device,
-                                                               step_graphs)  # fmt: skip
-        if graphed:
-            self._run_step = self.graphed_step = GraphedStep(self._run_step, state)
+        self.compile_sampling = compile_sampling
+        self._run_step = self._built_step(compile, graphed, state)
         self.prefill = Prefill(emitter, forward, self.slots, shapes)
         self._launched = 0.0  # when the last decode step was launched (perf_counter)
         self._host_tokens, self._host_logprobs = self._host_buffers()
+
+    def _built_step(self, compile: bool, graphed: bool, state: DecodeState) -> Step:
+        """The step as it runs: eager, compiled (one graph per (rows, logits, k) built), captured, or both;
+        without compile_sampling, the logits path's steps eager beside the built ones (logits_path_eager)."""
+        run: Step = self.step
+        if compile:
+            graphs = len({(rows, logits, k) for rows, _, logits, k in self.built_step_keys()})
+            run = self.compiled_step = CompiledStep(self.step, self.shapes.cache_len, self.device, graphs)
+        if graphed:
+            run = self.graphed_step = GraphedStep(run, state)
+        self.logits_path_eager = not self.compile_sampling and run is not self.step
+        return _logits_path_eager(run, self.step) if self.logits_path_eager else run
+
+    def built_step_keys(self) -> list[tuple[int, int, bool, int]]:
+        """The step keys compiled or captured (Shapes.step_keys): all, or without compile_sampling those off
+        the logits path."""
+        keys = self.shapes.step_keys()
+        return [
+            (rows, kv_len, logits, k)
+            for rows, kv_len, logits, k in keys
+            if self.compile_sampling or not logits
+        ]
 
     def _host_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Where a step's output is read to: [slots, K + 2] tokens and n_acc, and on the logits path those
@@ -219,8 +238,10 @@ class ModelRunner:
         try:
             results = self._read_prefill(plan, prefilled)
             decoded = None if plan.decode is None else self._read_decode(plan.decode, launched)
-            # queued prefill work, or the deferred keys' pass, would be in its time
-            if decoded is not None and (plan.prefill is not None or self._flushed):
+            # queued prefill work, or the deferred keys' pass, would be in its time; an eager step beside
+            # built ones would skew the draft length's times of (rows, k) (engine/draft_length.py)
+            eager = self.logits_path_eager and plan.decode is not None and plan.decode.logits
+            if decoded is not None and (plan.prefill is not None or self._flushed or eager):
                 decoded.seconds = None
             pending = self.slots.pending(plan.read_pending) if plan.read_pending else {}
         except Exception as error:
@@ -273,3 +294,12 @@ class ModelRunner:
 
     def close(self) -> None:
         """Nothing to stop on one process."""
+
+
+def _logits_path_eager(built: Step, eager: Step) -> Step:
+    """The compiled or captured step for argmax batches; the eager one for batches on the logits path."""
+
+    def run(rows: int, kv_len: int, any_sampling: bool, k: int) -> torch.Tensor:
+        return (eager if any_sampling else built)(rows, kv_len, any_sampling, k)
+
+    return run

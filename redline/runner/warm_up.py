@@ -1,4 +1,5 @@
-"""Compiling and capturing every shape a runner can meet, before the first request.
+"""Compiling and capturing every shape a runner can meet, before the first request (without
+compile_sampling, the argmax steps': the logits path's run eagerly, ModelRunner.built_step_keys).
 
 - the prefill: one graph with the batch, chunk length and keys dynamic, plus one per side of a length
   branch in the model (a Llama 4 MoE layer's few-token path): prefill_shapes visits them all;
@@ -33,9 +34,10 @@ def needs_warm_up(runner: ModelRunner) -> bool:
 
 
 def step_keys_to_run(runner: ModelRunner) -> list[tuple[int, int, bool, int]]:
-    """The step keys warm-up runs: all of them for CUDA graphs (one graph per key), else one per (rows,
-    sampling, k) at the smallest kv bucket: a compiled step has one graph for every kv_len."""
-    keys = runner.shapes.step_keys()
+    """The step keys warm-up runs, of those the runner builds (ModelRunner.built_step_keys): all of them for
+    CUDA graphs (one graph per key), else one per (rows, sampling, k) at the smallest kv bucket: a compiled
+    step has one graph for every kv_len."""
+    keys = runner.built_step_keys()
     if runner.graphed_step is not None:
         return keys
     smallest_kv: dict[tuple[int, bool, int], int] = {}
