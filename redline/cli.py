@@ -106,18 +106,25 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def _per_rank(model_dir: Path, size: int, expert_parallel: bool) -> str:
     """What each of `size` tensor-parallel ranks holds (every rank's shard has the same shapes), and its
-    bytes as loaded: FP8 weights 1 byte, their fp32 scales 4, everything else bf16."""
+    bytes as loaded: FP8 weights 1 byte, their fp32 scales 4, an int checkpoint's packed codes, scales and
+    zeros as stored (its linears' weights counted as in_features x out_features), everything else bf16."""
     import torch
 
     from redline.models.build import skeleton
+    from redline.models.int_checkpoint import CheckpointLinear
     from redline.parallel.group import TensorParallel
 
     model = skeleton(model_dir, TensorParallel(0, size, expert_parallel=expert_parallel))
     model.finish_loading()
-    params = list(model.parameters())
-    count = sum(p.numel() for p in params)
-    loaded = sum(p.numel() * (1 if p.dtype == torch.float8_e4m3fn else 4 if "scale" in n else 2)
-                 for n, p in model.named_parameters())  # fmt: skip
+    packed = [m for m in model.modules() if isinstance(m, CheckpointLinear)]
+    count, loaded = sum(m.in_features * m.out_features for m in packed), 0
+    for name, p in model.named_parameters():
+        module, _, key = name.rpartition(".")
+        if isinstance(model.get_submodule(module), CheckpointLinear) and key != "bias":  # as stored
+            loaded += p.numel() * p.element_size()
+        else:
+            count += p.numel()
+            loaded += p.numel() * (1 if p.dtype == torch.float8_e4m3fn else 4 if "scale" in key else 2)
     return (
         f"tensor parallel {size}: {count:,} parameters per rank, {loaded:,} bytes each as loaded "
         f"({loaded / 2**30:.2f} GiB)"

@@ -68,7 +68,10 @@ def write_int_checkpoint(
     out.mkdir(parents=True)
     tensors, reference = load_file(src / "model.safetensors"), {}
     generator = torch.Generator().manual_seed(seed)
-    for key in [k for k in tensors if k.rpartition(".")[0].rpartition(".")[2] in QUANTIZED]:
+    linears = [
+        k for k in tensors if k.endswith(".weight") and k.rpartition(".")[0].rpartition(".")[2] in QUANTIZED
+    ]
+    for key in linears:
         w = tensors.pop(key).float()
         n, k = w.shape
         size = k if group is None else group
@@ -85,11 +88,13 @@ def write_int_checkpoint(
 
             middle = 1 << (bits - 1)
             tensors[f"{prefix}.weight_packed"] = pack_to_int32((q - middle).to(torch.int8), bits)
-            zero_points = (zero - middle).t().contiguous().to(torch.int8)  # [N, G]
-            tensors[f"{prefix}.weight_zero_point"] = pack_to_int32(zero_points, bits, packed_dim=0)
+            if not sym:  # symmetric: no zero points stored (the middle code)
+                zero_points = (zero - middle).t().contiguous().to(torch.int8)  # [N, G]
+                tensors[f"{prefix}.weight_zero_point"] = pack_to_int32(zero_points, bits, packed_dim=0)
             tensors[f"{prefix}.weight_scale"] = scale.t().contiguous().bfloat16()
             tensors[f"{prefix}.weight_shape"] = torch.tensor([n, k])
-            tensors[f"{prefix}.weight_g_idx"] = g_idx.to(torch.int32)
+            if act_order:  # llm-compressor writes a g_idx with actorder alone
+                tensors[f"{prefix}.weight_g_idx"] = g_idx.to(torch.int32)
             reference[key] = (q - zero[g_idx].t()).float() * scale[g_idx].t().bfloat16().float()
             continue
         if method == "gptq":

@@ -14,6 +14,7 @@ from gguf_writer import write_gguf
 from test_gguf import QUANTIZED as QUANTIZED_TYPES
 
 from redline import LLM, SamplingParams
+from redline.config import ModelConfig
 from redline.data import sharegpt
 from redline.demo import SHIPPED_DRAFT
 from redline.kernels import cpu_ops
@@ -23,6 +24,7 @@ from redline.models.gguf_blocks import GgufWeights, gguf_weight
 from redline.models.gguf_reader import GGUFFile
 from redline.models.gguf_tensors import hf_name, hf_tensor
 from redline.models.quantize import QUANTIZED
+from redline.parallel.sharding import Shard
 
 Q = gguf.GGMLQuantizationType
 kernels = pytest.mark.skipif(not cpu_ops.load(), reason="needs AVX-512 BF16 and VNNI, C++ and ninja")
@@ -247,3 +249,58 @@ def test_smollm2_w4a16_checkpoint_at_real_size_multiplies_what_it_holds(tmp_path
             module.weight.data.copy_(dequantize(held))
     text = " ".join(m["content"] for c in sharegpt.conversations("held_out")[:20] for m in c.messages)
     close_as_bf16(llm, twin, fp32, llm.tokenizer.encode(text, add_special_tokens=False)[:1000])
+
+
+def test_a_ranks_part_of_each_type_is_the_whole_weights_cut(mixed, capsys):
+    """Tensor parallelism: a rank's rows (column-parallel, q and k unpermuted first), inputs (row-parallel,
+    blocks of 32 whole) or vocabulary block (zero rows after the last id) of every type is the whole
+    weight's cut, bit for bit, re-quantized types too (each group of 32 of a row is rounded alone); a part
+    the layout cannot take is left in the model's dtype, and the load says so."""
+    file = GGUFFile(mixed[0])
+    parts = [
+        Shard((slice(64, 128),)),
+        Shard((slice(None), slice(128, 256))),
+        Shard((slice(320, 384),), rows=96),
+    ]
+    for name, tensor in file.tensors.items():
+        if not (name.startswith("blk.0.") or name == "token_embd.weight") or tensor.tensor_type == Q.F32:
+            continue
+        heads = {"attn_q": 4, "attn_k": 2}.get(name.split(".")[-2])
+        whole, _ = gguf_weight(tensor, heads)
+        for part in parts:
+            mine, _ = gguf_weight(tensor, heads, part=part)
+            if whole is None:
+                assert mine is None
+                continue
+            want = dequantize(whole)[part.index]
+            want = (
+                torch.cat((want, want.new_zeros(part.rows - want.shape[0], want.shape[1])))
+                if part.rows
+                else want
+            )
+            assert torch.equal(dequantize(mine), want), (name, part)
+    source = GgufWeights(mixed[0], ModelConfig.from_dir(mixed[1]), blocks=True, dtype=torch.float32)
+    source.part = lambda name: Shard((slice(0, 48),))  # 48 rows: not whole blocks of 32
+    assert source._weight("model.layers.0.self_attn.v_proj.weight") is None
+    source.report()
+    assert "1 quantized GGUF tensors run in torch.float32" in capsys.readouterr().err
+
+
+def test_a_gguf_over_two_ranks_gives_one_process_logits(mixed, tmp_path):
+    """The mixed file's own tensors over 2 ranks (the tied Q8_0 table as head, vocabulary blocks of 192):
+    rank 0's logits are one process's up to the all-reduce's fp32 order (2e-3 on the AVX2 kernel, as for
+    int4 / int8 on load, tests/test_quantized_weights.py; 1e-4 with fp32 products)."""
+    import torch.multiprocessing as mp
+    from test_tensor_parallel import _rank_logits
+
+    from redline.models.build import load_target
+
+    tokens = torch.randint(5, 384, (1, 48))
+    one = load_target(mixed[1], torch.float32, quantization="gguf")
+    with torch.inference_mode():
+        want = one.logits(one(tokens, torch.arange(48)[None])[0])
+    args = (2, False, str(tmp_path / "init"), str(mixed[1]), tokens, str(tmp_path), "gguf")
+    mp.start_processes(_rank_logits, args=args, nprocs=2, start_method="spawn")
+    got = torch.load(tmp_path / "rank0.pt")
+    tolerance = 2e-3 if cpu_ops.quantized_rows_loaded() else 1e-4
+    assert torch.allclose(got, want, atol=tolerance, rtol=tolerance), (got - want).abs().max()

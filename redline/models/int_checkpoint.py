@@ -34,8 +34,10 @@ from redline.kernels import quantized_layout
 from redline.layers.input_order import InputOrdered
 from redline.layers.linear import Linear
 from redline.models.huge_pages import trim_heap
+from redline.models.int_shards import first_group
 from redline.models.loader import PendingModules
 from redline.models.quantize import decoder_targets
+from redline.parallel.group import SINGLE, TensorParallel
 from redline.quant.int4 import OUT_MULTIPLE, Int4Linear
 from redline.quant.int_packing import awq_unpack, pack_int32, unpack_int32
 from redline.quant.int_scheme import IntScheme
@@ -71,6 +73,7 @@ class CheckpointLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.few_rows, self.name, self.scheme = linear.few_rows, name, scheme
+        self.first_group = 0  # of a row-parallel rank's inputs (models/int_shards.first_group)
         for key, (shape, dtype) in tensor_shapes(scheme, self.out_features, self.in_features).items():
             self.register_parameter(key, nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), False))
         self.bias = linear.bias
@@ -82,7 +85,8 @@ class CheckpointLinear(nn.Module):
         if s.method == "gptq":
             u = unpack_int32(self.qweight.t().contiguous(), b)  # [N, K]
             zc = (unpack_int32(self.qzeros, b) + s.zero_offset).t().float()  # [N, G]
-            return u, zc, self.scales.t().float(), None if self.g_idx.is_meta else self.g_idx
+            g_idx = None if self.g_idx.is_meta else self.g_idx - self.first_group
+            return u, zc, self.scales.t().float(), g_idx
         if s.method == "awq":
             u = awq_unpack(self.qweight).t().contiguous()
             return u, awq_unpack(self.qzeros).t().float(), self.scales.t().float(), None
@@ -98,12 +102,16 @@ class CheckpointLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.scheme}"
 
 
-def int_skeleton(model: nn.Module, scheme: IntScheme, checkpoint_name: Callable[[str], str]) -> None:
+def int_skeleton(
+    model: nn.Module, scheme: IntScheme, checkpoint_name: Callable[[str], str], tp: TensorParallel = SINGLE
+) -> None:
     """On the meta device: the decoder linears the scheme covers (not in its ignore list, matched by
-    redline's name or checkpoint_name's) replaced by CheckpointLinears."""
+    redline's name or checkpoint_name's) replaced by CheckpointLinears of rank tp.rank's part."""
     ignore = Fp8Scheme(scheme.ignore)
     for parent, name, child, full in list(decoder_targets(model, ignore, checkpoint_name, experts=False)):
-        setattr(parent, name, CheckpointLinear(child, scheme, full))
+        placeholder = CheckpointLinear(child, scheme, full)
+        placeholder.first_group = first_group(scheme, full, child.in_features, tp.rank, tp.size)
+        setattr(parent, name, placeholder)
 
 
 def layout_group(size: int, k: int, name: str) -> int:
