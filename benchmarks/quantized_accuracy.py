@@ -50,7 +50,7 @@ def llama_cpp_row(gguf: Path, tokenizer: Tokenizer, windows: list[torch.Tensor],
         out = model.create_completion(ids, max_tokens=task.max_tokens, temperature=0.0, stop=stop)
         correct.append(score(task, out["choices"][0]["text"]))
     perplexity, nan = math.exp(sum(nll) / len(nll)), float("nan")
-    accuracy = {"humaneval pass@1": sum(correct) / len(correct)}
+    accuracy = {"humaneval pass@1": sum(correct) / len(correct)} if correct else {}  # --limit 0: none
     return {"config": "llama.cpp Q4_1", "perplexity": perplexity, "kl_to_base": nan, "greedy_agreement": nan,
             "accuracy": accuracy}  # fmt: skip
 
@@ -58,7 +58,7 @@ def llama_cpp_row(gguf: Path, tokenizer: Tokenizer, windows: list[torch.Tensor],
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--windows", type=int, default=32)
-    parser.add_argument("--limit", type=int, default=164, help="HumanEval problems (the first N)")
+    parser.add_argument("--limit", type=int, default=164, help="HumanEval problems (the first N; 0: none)")
     parser.add_argument("--json", type=Path, default=None)
     help = "what redline's rows compute in (float32: an AVX2 CPU's default, its quantized kernel's too)"
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help=help)

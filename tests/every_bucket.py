@@ -41,7 +41,7 @@ def run_through_every_bucket(target: Path, spec: dict, graphs: int) -> None:
     runner.run_step = recording_step
     if runner.shapes.adaptive:
         steps = iter(range(10**6))
-        llm.engine.scheduler.draft_length.choose = lambda rows, slots, seeded=False: (
+        llm.engine.scheduler.draft_length.choose = lambda rows, slots, seeded=False, logits=False: (
             3 * (next(steps) % 3 != 2)
         )
     long, short = torch.randint(5, 384, (20,)).tolist(), torch.randint(5, 384, (9,)).tolist()

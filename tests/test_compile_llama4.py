@@ -33,7 +33,7 @@ def test_compiled_llama4_runs_past_4096_tokens_without_compiling(tmp_path, token
     prompt, then steps whose kv bucket goes from 4,096 to the whole cache, where inductor's CPU code
     would split its reductions if kv_len could be specialized (runner/compiled_step.py). compile_sampling
     off: the warm-up compiles the argmax step alone, and a sampled request with log-probs then runs
-    eagerly, compiling nothing, its log-probabilities the eager model's."""
+    eagerly, compiling nothing, its log-probabilities the eager model's, its steps timed apart."""
     config = llama4_hf_config(max_position_embeddings=4200)
     target_dir = save_hf_model(build_hf_model(config), tmp_path / "t", tokenizer_dir)
     draft_dir = write_random_draft(target_dir, tmp_path / "d", draft_vocab=200)
@@ -73,6 +73,8 @@ def test_compiled_llama4_runs_past_4096_tokens_without_compiling(tmp_path, token
     sampled = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=3, logprobs=1)
     [run] = llm.generate([short], sampled)
     assert unique_graphs() == graphs_after_warm_up and len(run.token_ids) == 12
+    # its eager steps timed for the draft length on their own path (engine/draft_length.py)
+    assert any(path for _, _, path in llm.engine.scheduler.draft_length.seconds)
     reference = eager.log_probs(short + run.token_ids)  # [T - 1, V]
     want_logprobs = [reference[len(short) + i - 1, t].item() for i, t in enumerate(run.token_ids)]
     assert [e.logprob for e in run.logprobs] == pytest.approx(want_logprobs, abs=1e-4)

@@ -162,6 +162,29 @@ def test_a_slow_step_without_drafts_is_timed_again():
     assert policy.cost(1) == pytest.approx(1.3)
 
 
+def test_the_logits_path_and_the_argmax_path_are_timed_apart():
+    """Argmax steps of 1.0 / 1.3 s and logits-path steps of 3.0 / 3.3 s (sampling: with compile_sampling
+    off, eager beside built argmax steps) give each path its own c, 1.3 and 1.1, where one pool of times
+    could give anything from 1.3 / 3.0 to 3.3 / 1.0, as the traffic mixed them. A batch that only samples
+    times its path's plain steps: after 3 of them it drafts on, no plain step in its next PLAIN_PROBE."""
+    policy = DraftLength(3, adaptive=True)
+    for logits, plain in ((False, 1.0), (True, 3.0)):
+        for _ in range(3):
+            policy.observe(1, 0, plain, {0: 0}, logits=logits)
+            policy.observe(1, 3, plain + 0.3, {0: 3}, logits=logits)
+    assert policy.cost(1) == pytest.approx(1.3) and policy.cost(1, logits=True) == pytest.approx(1.1)
+    sampled = DraftLength(3, adaptive=True)
+    sampled.admit(0)
+    chosen = []
+    for _ in range(PLAIN_PROBE):
+        k = sampled.choose(1, [0], logits=True)
+        sampled.observe(1, k, 3.3 if k else 3.0, {0: 1 if k else 0}, logits=True)
+        chosen.append(k)
+    plain = [i for i, k in enumerate(chosen) if k == 0]
+    assert len(plain) == 3 and plain[-1] < 3 * (PROBE_MIN + 1)
+    assert {path for _, _, path in sampled.seconds} == {True}
+
+
 def test_a_bucket_not_yet_timed_borrows_the_nearest_timed_buckets_cost_for_its_gaps():
     """Batch 16 timed at c = 2.5 (probes 600 steps apart): bucket 8, seen only beside prefills (untimed),
     takes 16's c for its gaps, so a batch ramping up through it does not probe every 128 steps (the
@@ -343,7 +366,9 @@ def test_greedy_output_is_plain_whichever_steps_draft(pair, drafting):
     }[drafting]
     llm = LLM(target, dtype="float32", max_batch=4, num_draft_tokens=3, **spec)
     plain = LLM(target, dtype="float32", max_batch=4)
-    llm.engine.scheduler.draft_length.choose = lambda rows, slots, seeded=False: 3 * int(torch.rand(()) < 0.5)
+    llm.engine.scheduler.draft_length.choose = lambda rows, slots, seeded=False, logits=False: (
+        3 * int(torch.rand(()) < 0.5)
+    )
     prompts = [torch.randint(5, 384, (n,)).tolist() * 2 for n in (13, 3, 22, 8)]
     params = SamplingParams(max_tokens=60, ignore_eos=True)
     expected = plain.generate(prompts, params)
@@ -351,3 +376,18 @@ def test_greedy_output_is_plain_whichever_steps_draft(pair, drafting):
         for prompt, got, want in zip(batch, llm.generate(batch, params), expected, strict=False):
             assert greedy_divergence_is_a_near_tie(plain.model, prompt, got.token_ids, want.token_ids)
             assert 0 < got.draft_steps < got.decode_steps
+
+
+def test_the_scheduler_times_each_steps_path(pair):
+    """Through the engine: a greedy request's steps are timed on the argmax path, a sampled one's (alone
+    in its batch) on the logits path alone."""
+    target, draft = pair
+    llm = LLM(target, dtype="float32", max_batch=1, draft=draft, num_draft_tokens=3, compile=False)
+    prompt = torch.randint(5, 384, (12,)).tolist()
+    llm.generate([prompt], SamplingParams(max_tokens=20, ignore_eos=True))
+    timed = llm.engine.scheduler.draft_length.seconds
+    assert timed and {path for _, _, path in timed} == {False}
+    argmax = {key: len(times) for key, times in timed.items()}
+    llm.generate([prompt], SamplingParams(max_tokens=20, ignore_eos=True, temperature=1.0))
+    assert {path for _, _, path in timed} == {False, True}
+    assert {key: len(times) for key, times in timed.items() if not key[2]} == argmax

@@ -65,7 +65,7 @@ def test_steps_that_draft_nothing_reach_the_requests():
     steps that drafted count towards acceptance."""
     core, _ = engine(slots=4, max_len=200, k=3, blocks=64, adaptive=True)
     steps = iter(range(10**6))
-    core.scheduler.draft_length.choose = lambda rows, slots, seeded=False: 3 * (next(steps) % 2)
+    core.scheduler.draft_length.choose = lambda rows, slots, seeded=False, logits=False: 3 * (next(steps) % 2)
     prompts = [[5 + i] * (3 + 7 * i) for i in range(6)]
     requests = [request(p, 20 + i) for i, p in enumerate(prompts)]
     for r in requests:

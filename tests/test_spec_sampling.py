@@ -143,7 +143,7 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_vocab_pair, top_p, m
               **spec)  # fmt: skip
     if alternate:
         steps = iter(range(10**6))
-        llm.engine.scheduler.draft_length.choose = lambda rows, slots, seeded=False: (
+        llm.engine.scheduler.draft_length.choose = lambda rows, slots, seeded=False, logits=False: (
             2 * (next(steps) % 3 != 2)
         )
     n, temperature = 3000, 1.0

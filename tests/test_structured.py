@@ -217,7 +217,7 @@ def test_greedy_constrained_output_is_the_same_with_speculation(models, drafting
     )
     if drafting == "adaptive":
         steps = iter(range(10**6))
-        fast.engine.scheduler.draft_length.choose = lambda rows, slots, seeded=False: (
+        fast.engine.scheduler.draft_length.choose = lambda rows, slots, seeded=False, logits=False: (
             3 * (next(steps) % 3 != 2)
         )
     prefix = plain.tokenizer.encode(EXAMPLES * 2, add_special_tokens=False)

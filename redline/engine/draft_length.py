@@ -37,6 +37,11 @@ not stops sooner. The other way round, a batch that has drafted PLAIN_PROBE step
 without drafts, so c is timed anew (c is never taken below 1, and steps that shared their plan with a
 prefill are not timed).
 
+Each path is timed apart: a step on the logits path (some slot samples, asks for log-probs or penalties)
+costs more than an argmax step, and with compile_sampling off it runs eagerly beside built argmax steps
+(runner/model_runner.py), so c, the bounds of the probes' gaps and the plain steps taken to time c are each
+path's own (the counters of steps since drafting and of drafting steps in a row are the batch's).
+
 Example, K = 3, c = 1.3: two slots with a = 1.2 and 0.1 give 1.3 > 0.6, so the batch drafts; with
 a = 0.2 and 0.1 it does not (0.3 < 0.6).
 """
@@ -50,9 +55,9 @@ from statistics import median
 
 SMOOTHING = 0.25  # weight of a new observation in a slot's acceptance average
 STALE_SMOOTHING = 0.5  # its weight when the slot's average is stale (new slot, or steps without drafts)
-TIMED = 15  # step times kept per (batch bucket, k): c is the ratio of their medians
+TIMED = 15  # step times kept per (batch bucket, k, path): c is the ratio of their medians
 PRIOR_SMOOTHING = 0.1  # weight of a slot's observation in the prior new slots start from
-DEFAULT_COST = 1.3  # c before both variants were timed at a batch bucket (for the gaps: at any)
+DEFAULT_COST = 1.3  # c before both variants were timed at a bucket on a path (for the gaps: at any)
 PROBE_MIN, PROBE_MAX = 8, 128  # steps without drafting before a probe: the first gap, the longest (c <= 1.3)
 PROBE_FIRST_SHARE = 0.075  # the share of the time probes take at the first gap (2 x 0.3 / PROBE_MIN)
 PROBE_SHARE = 0.005  # with a draft that never pays, the share of the time its probes may take (gaps grow)
@@ -68,7 +73,7 @@ class DraftLength:
     rate: dict[int, float] = field(default_factory=dict)  # slot -> accepted drafts per step
     fresh: set[int] = field(default_factory=set)  # slots whose pending drafts were proposed for them
     stale: set[int] = field(default_factory=set)  # not measured since admitted or since drafting did not pay
-    seconds: dict[tuple[int, int], deque[float]] = field(default_factory=dict)  # (rows, k) -> last times
+    seconds: dict[tuple[int, int, bool], deque[float]] = field(default_factory=dict)  # (rows, k, logits path)
     since_drafting: int = 0  # steps without drafting
     since_plain: int = 0  # drafting steps in a row
     probe: int = PROBE_MIN  # steps without drafting before the next probe (within the bucket's gaps)
@@ -86,24 +91,26 @@ class DraftLength:
         self.fresh.discard(slot)
         self.stale.discard(slot)
 
-    def cost(self, rows: int, borrow: bool = False) -> float:
-        """c: a drafting step's time over a step without drafts at this batch bucket, DEFAULT_COST before
-        both were timed there. borrow (the probes' gaps): at a bucket not timed both ways, the nearest
-        bucket's that is (by powers of 2, the larger of two as near: buckets 1 and 16 timed, 8 takes 16's,
-        4 too), DEFAULT_COST before any is. The choice to draft never borrows: c grows with the batch, and
-        a larger bucket's c at a smaller one would keep a lone slot from drafting where it pays."""
-        timed = [r for r, k in self.seconds if k == self.k and (r, 0) in self.seconds]
+    def cost(self, rows: int, borrow: bool = False, logits: bool = False) -> float:
+        """c: a drafting step's time over a step without drafts at this batch bucket on this path (logits:
+        the logits path's steps, else argmax ones), DEFAULT_COST before both were timed there. borrow (the
+        probes' gaps): at a bucket not timed both ways, the nearest bucket's that is (by powers of 2, the
+        larger of two as near: buckets 1 and 16 timed, 8 takes 16's, 4 too), DEFAULT_COST before any is.
+        The choice to draft never borrows: c grows with the batch, and a larger bucket's c at a smaller one
+        would keep a lone slot from drafting where it pays."""
+        both = [r for r, k, path in self.seconds if (k, path) == (self.k, logits)]
+        timed = [r for r in both if (r, 0, logits) in self.seconds]
         if not borrow:
             timed = [r for r in timed if r == rows]
         if not timed:
             return DEFAULT_COST
         nearest = min(timed, key=lambda r: (abs(r.bit_length() - rows.bit_length()), -r))
-        drafting, plain = self.seconds[(nearest, self.k)], self.seconds[(nearest, 0)]
+        drafting, plain = self.seconds[(nearest, self.k, logits)], self.seconds[(nearest, 0, logits)]
         return max(1.0, median(drafting) / median(plain))
 
-    def choose(self, rows: int, slots: list[int], seeded: bool = False) -> int:
+    def choose(self, rows: int, slots: list[int], seeded: bool = False, logits: bool = False) -> int:
         """The drafts the next step over `slots` (batch bucket `rows`) verifies: K or 0. seeded: some slot
-        samples with a seed (the step drafts)."""
+        samples with a seed (the step drafts); logits: the step is on the logits path (see cost)."""
         if not self.adaptive or not slots or seeded:
             return self.k
         if self.probing:
@@ -111,50 +118,57 @@ class DraftLength:
             self.since_drafting = 0
             return self.k
         gain = sum(self.rate.get(s, self.prior) for s in slots)
-        if gain > (self.cost(rows) - 1.0) * len(slots):
+        if gain > (self.cost(rows, logits=logits) - 1.0) * len(slots):
             self.probe = PROBE_MIN  # drafting pays: the next probes start close again
-            return self._drafting(rows)
+            return self._drafting(rows, logits)
         self.stale |= set(slots)  # not drafting because it does not pay: their next measure weighs more
         self.since_drafting += 1
         # the gap at this bucket: one grown at another is raised to this one's shortest, cut to its longest
-        gap = min(max(self.probe, self.shortest_gap(rows)), self.longest_gap(rows))
+        gap = min(max(self.probe, self.shortest_gap(rows, logits)), self.longest_gap(rows, logits))
         if self.since_drafting <= gap:
             return 0
         self.probing = 1  # this step and the next
-        self.probe = min(2 * gap, self.longest_gap(rows))
+        self.probe = min(2 * gap, self.longest_gap(rows, logits))
         self.since_drafting = 0
         return self.k
 
-    def shortest_gap(self, rows: int) -> int:
+    def shortest_gap(self, rows: int, logits: bool = False) -> int:
         """The fewest steps without drafting between probes at this batch bucket: PROBE_MIN, or more where a
         probe's two drafting steps cost over PROBE_FIRST_SHARE of that many steps (c borrowed: see cost)."""
-        return max(PROBE_MIN, _steps_for_share(self.cost(rows, borrow=True), PROBE_FIRST_SHARE))
+        return max(PROBE_MIN, _steps_for_share(self.cost(rows, True, logits), PROBE_FIRST_SHARE))
 
-    def longest_gap(self, rows: int) -> int:
+    def longest_gap(self, rows: int, logits: bool = False) -> int:
         """The most steps without drafting between probes at this batch bucket: PROBE_MAX, or more where a
         probe's two drafting steps cost over PROBE_SHARE of that many steps (c borrowed: see cost)."""
-        return max(PROBE_MAX, _steps_for_share(self.cost(rows, borrow=True), PROBE_SHARE))
+        return max(PROBE_MAX, _steps_for_share(self.cost(rows, True, logits), PROBE_SHARE))
 
-    def _drafting(self, rows: int) -> int:
+    def _drafting(self, rows: int, logits: bool) -> int:
         """K, or 0 once every PLAIN_PROBE drafting steps in a row, and early while steps without drafts at
-        this bucket have been timed fewer than 3 times (so c is measured, not assumed)."""
+        this bucket on this path have been timed fewer than 3 times (so c is measured, not assumed)."""
         self.since_drafting = 0
         self.since_plain += 1
-        untimed = len(self.seconds.get((rows, 0), ())) < 3 and self.since_plain > PROBE_MIN
+        untimed = len(self.seconds.get((rows, 0, logits), ())) < 3 and self.since_plain > PROBE_MIN
         if self.since_plain > PLAIN_PROBE or untimed:
             self.since_plain = 0
             return 0
         return self.k
 
     def observe(
-        self, rows: int, k: int, seconds: float | None, accepted: dict[int, int], runner: int = 0
+        self,
+        rows: int,
+        k: int,
+        seconds: float | None,
+        accepted: dict[int, int],
+        runner: int = 0,
+        logits: bool = False,
     ) -> None:
         """A decode step's result: its variant, wall time (None: not timed alone), each slot's accepted
-        drafts, and which runner ran it (a compiled twin taking over from an eager runner: times anew)."""
+        drafts, which runner ran it (a compiled twin taking over from an eager runner: times anew) and
+        whether it was on the logits path (see cost)."""
         if runner != self.runner:
             self.runner = runner
             self.seconds.clear()
-        key = (rows, k)
+        key = (rows, k, logits)
         if seconds is not None:
             self.seconds.setdefault(key, deque(maxlen=TIMED)).append(seconds)
         if k == 0:

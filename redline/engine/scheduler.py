@@ -68,6 +68,7 @@ class Planned:
     masks: list[TokenMask] = field(default_factory=list)  # structured outputs' (engine/grammar_masks.py)
     unread: list[int] = field(default_factory=list)  # prefilled constrained slots whose pending is unknown
     rules: dict[int, TokenRules] = field(default_factory=dict)  # slot -> the rules its rows run under
+    logits: bool = False  # the decode step is on the logits path (DecodeBatch.logits)
 
 
 class Scheduler:
@@ -273,7 +274,8 @@ class Scheduler:
         logits = any(r.params.needs_logits for r in decoding.values())
         logprobs = {s: r.params.logprobs for s, r in decoding.items() if r.params.logprobs is not None}
         seeded = any(r.params.seed is not None and r.params.temperature > 0 for r in decoding.values())
-        k = self.draft_length.choose(rows, list(decoding), seeded)
+        k = self.draft_length.choose(rows, list(decoding), seeded, logits=logits)
+        self.planned.logits = logits
         for slot, request in decoding.items():
             if request.rules is not None:
                 self.planned.masks.append(step_mask(request, slot, k, self.shapes))
@@ -296,7 +298,8 @@ class Scheduler:
             decoded = result.decode
             running = [s for s, r in self.planned.decoding.items() if self.running.get(s) is r]
             rows, accepted = len(decoded.accepted), {s: decoded.accepted[s] for s in running}
-            self.draft_length.observe(rows, decoded.k, decoded.seconds, accepted, decoded.runner)
+            path = self.planned.logits
+            self.draft_length.observe(rows, decoded.k, decoded.seconds, accepted, decoded.runner, logits=path)
             for slot, request in self.planned.decoding.items():
                 if request.finished or self.running.get(slot) is not request:
                     continue  # finished by its first token, failed or cancelled meanwhile

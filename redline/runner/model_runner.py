@@ -117,15 +117,14 @@ class ModelRunner:
 
     def _built_step(self, compile: bool, graphed: bool, state: DecodeState) -> Step:
         """The step as it runs: eager, compiled (one graph per (rows, logits, k) built), captured, or both;
-        without compile_sampling, the logits path's steps eager beside the built ones (logits_path_eager)."""
+        without compile_sampling, the logits path's steps eager beside the built ones (_logits_path_eager)."""
         run: Step = self.step
         if compile:
             graphs = len({(rows, logits, k) for rows, _, logits, k in self.built_step_keys()})
             run = self.compiled_step = CompiledStep(self.step, self.shapes.cache_len, self.device, graphs)
         if graphed:
             run = self.graphed_step = GraphedStep(run, state)
-        self.logits_path_eager = not self.compile_sampling and run is not self.step
-        return _logits_path_eager(run, self.step) if self.logits_path_eager else run
+        return run if self.compile_sampling or run is self.step else _logits_path_eager(run, self.step)
 
     def built_step_keys(self) -> list[tuple[int, int, bool, int]]:
         """The step keys compiled or captured (Shapes.step_keys): all, or without compile_sampling those off
@@ -238,10 +237,8 @@ class ModelRunner:
         try:
             results = self._read_prefill(plan, prefilled)
             decoded = None if plan.decode is None else self._read_decode(plan.decode, launched)
-            # queued prefill work, or the deferred keys' pass, would be in its time; an eager step beside
-            # built ones would skew the draft length's times of (rows, k) (engine/draft_length.py)
-            eager = self.logits_path_eager and plan.decode is not None and plan.decode.logits
-            if decoded is not None and (plan.prefill is not None or self._flushed or eager):
+            # queued prefill work, or the deferred keys' pass, would be in its time
+            if decoded is not None and (plan.prefill is not None or self._flushed):
                 decoded.seconds = None
             pending = self.slots.pending(plan.read_pending) if plan.read_pending else {}
         except Exception as error:
