@@ -106,8 +106,9 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def _per_rank(model_dir: Path, size: int, expert_parallel: bool) -> str:
     """What each of `size` tensor-parallel ranks holds (every rank's shard has the same shapes), and its
-    bytes as loaded: FP8 weights 1 byte, their fp32 scales 4, an int checkpoint's packed codes, scales and
-    zeros as stored (its linears' weights counted as in_features x out_features), everything else bf16."""
+    bytes as loaded: FP8 weights 1 byte, their fp32 scales 4, an int checkpoint's tensors as stored (packed
+    codes, scales, zeros, g_idx; its linears' weights counted as in_features x out_features; the layout
+    they load into differs by a few percent), everything else bf16."""
     import torch
 
     from redline.models.build import skeleton

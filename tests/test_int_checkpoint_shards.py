@@ -29,6 +29,7 @@ VARIANTS = {  # every packing and layout: int4 / int8, groups / per channel, zer
     "gptq-v2-channel": dict(method="gptq", bits=4, group=None, sym=False, v2=True),
     "awq": dict(method="awq", bits=4, group=32),
     "awq-channel": dict(method="awq", bits=4, group=None),
+    "gptq-channel-act-order": dict(method="gptq", bits=4, group=None, act_order=True),  # g_idx all 0
     "ct-int4": dict(method="compressed-tensors", bits=4, group=32, sym=False),
     "ct-int8-channel": dict(method="compressed-tensors", bits=8, group=None, sym=True),
 }

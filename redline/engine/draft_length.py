@@ -37,10 +37,11 @@ not stops sooner. The other way round, a batch that has drafted PLAIN_PROBE step
 without drafts, so c is timed anew (c is never taken below 1, and steps that shared their plan with a
 prefill are not timed).
 
-Each path is timed apart: a step on the logits path (some slot samples, asks for log-probs or penalties)
-costs more than an argmax step, and with compile_sampling off it runs eagerly beside built argmax steps
-(runner/model_runner.py), so c, the bounds of the probes' gaps and the plain steps taken to time c are each
-path's own (the counters of steps since drafting and of drafting steps in a row are the batch's).
+Each path is timed apart: a step on the logits path (a slot samples, asks for log-probs, penalties or
+allowed_token_ids) costs more than an argmax step, and with compile_sampling off it runs eagerly beside
+built argmax steps (runner/model_runner.py), so c, the bounds of the probes' gaps and the plain steps taken
+to time c are each path's own (the counters of steps since drafting and of drafting steps in a row are the
+batch's).
 
 Example, K = 3, c = 1.3: two slots with a = 1.2 and 0.1 give 1.3 > 0.6, so the batch drafts; with
 a = 0.2 and 0.1 it does not (0.3 < 0.6).

@@ -94,7 +94,7 @@ def evaluate(
             "config": config.name,
             "perplexity": math.exp(sum(nll) / len(nll)),
             "kl_to_base": sum(kl) / len(kl),
-            "greedy_agreement": sum(a == b for a, b in pairs) / max(1, len(pairs)),
+            "greedy_agreement": sum(a == b for a, b in pairs) / len(pairs) if pairs else math.nan,
         }
         correct: dict[str, list[bool]] = {}
         scored = [(t, c) for t, c in zip(tasks, completions, strict=True) if t.kind != "open"]
