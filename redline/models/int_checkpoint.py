@@ -69,11 +69,11 @@ def tensor_shapes(scheme: IntScheme, n: int, k: int) -> dict[str, tuple[tuple[in
 class CheckpointLinear(nn.Module):
     """A linear's checkpoint tensors until they are read into codes (meta device, checkpoint names)."""
 
-    def __init__(self, linear: Linear, scheme: IntScheme, name: str) -> None:
+    def __init__(self, linear: Linear, scheme: IntScheme, name: str, first_group: int = 0) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.few_rows, self.name, self.scheme = linear.few_rows, name, scheme
-        self.first_group = 0  # of a row-parallel rank's inputs (models/int_shards.first_group)
+        self.first_group = first_group  # of a row-parallel rank's inputs (models/int_shards.first_group)
         for key, (shape, dtype) in tensor_shapes(scheme, self.out_features, self.in_features).items():
             self.register_parameter(key, nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), False))
         self.bias = linear.bias
@@ -109,9 +109,8 @@ def int_skeleton(
     redline's name or checkpoint_name's) replaced by CheckpointLinears of rank tp.rank's part."""
     ignore = Fp8Scheme(scheme.ignore)
     for parent, name, child, full in list(decoder_targets(model, ignore, checkpoint_name, experts=False)):
-        placeholder = CheckpointLinear(child, scheme, full)
-        placeholder.first_group = first_group(scheme, full, child.in_features, tp.rank, tp.size)
-        setattr(parent, name, placeholder)
+        first = first_group(scheme, full, child.in_features, tp.rank, tp.size)
+        setattr(parent, name, CheckpointLinear(child, scheme, full, first))
 
 
 def layout_group(size: int, k: int, name: str) -> int:

@@ -129,12 +129,8 @@ class ModelRunner:
     def built_step_keys(self) -> list[tuple[int, int, bool, int]]:
         """The step keys compiled or captured (Shapes.step_keys): all, or without compile_sampling those off
         the logits path."""
-        keys = self.shapes.step_keys()
-        return [
-            (rows, kv_len, logits, k)
-            for rows, kv_len, logits, k in keys
-            if self.compile_sampling or not logits
-        ]
+        keys = self.shapes.step_keys()  # (rows, kv_len, logits, k)
+        return [key for key in keys if self.compile_sampling or not key[2]]
 
     def _host_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Where a step's output is read to: [slots, K + 2] tokens and n_acc, and on the logits path those
