@@ -1,5 +1,6 @@
-"""The AVX-512 BF16 decode kernels (kernels/cpu_ops.py): what the few-row product and the paged decode
-attention compute, eager and compiled, at the sizes of a real model, and the layers built with them."""
+"""The AVX-512 BF16 decode kernels (kernels/cpu_ops.py): what the few-row product computes, eager and
+compiled, at the sizes of a real model, and the layers built with the kernels (the paged decode attention
+itself: test_decode_attention_cpu.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,6 @@ import torch.nn.functional as F
 
 from redline import LLM, SamplingParams
 from redline.kernels import cpu_ops
-from redline.kernels.attention_core import decode_attention_reference
-from redline.kernels.paged_kv import BLOCK
 from redline.layers.backends import TORCH, Backends
 from redline.layers.linear import Linear
 from redline.models.build import load_target
@@ -94,137 +93,6 @@ def test_cpu_bf16_layers_multiply_fused_weights_and_compute_what_torch_does(llam
         want, got = (m.lm_head(m(tokens, torch.tensor([[0]]))[0]).float() for m in (plain, fused))
     # bf16 activations through the layers: each product rounds to 2^-9 relative, in another order
     torch.testing.assert_close(got, want, atol=0.05, rtol=0.05)
-
-
-def paged_case(b: int, t: int, hq: int, hkv: int, d: int, kv_len: int):
-    """Random bf16 caches of shuffled blocks, each row's last query at a random position < kv_len."""
-    per_row = -(-kv_len // BLOCK)
-    k_cache, v_cache = torch.randn(2, b * per_row + 3, hkv, BLOCK, d).bfloat16().unbind(0)
-    tables = torch.randperm(b * per_row + 3)[: b * per_row].view(b, per_row).int()
-    last = torch.randint(t - 1, kv_len, (b, 1))
-    last[-1] = t - 1 if b > 1 else last[-1]  # the last of several rows near the start, as a free slot
-    positions = last - torch.arange(t - 1, -1, -1)  # [B, T]: consecutive, ending at last
-    q = torch.randn(b, t, hq, d).bfloat16()
-    return q, k_cache, v_cache, positions, tables
-
-
-@pytest.mark.parametrize(
-    "b, t, hq, hkv, d",
-    [(1, 1, 9, 3, 64), (3, 4, 8, 2, 128), (2, 9, 4, 4, 32), (1, 2, 2, 1, 96), (1, 2, 2, 1, 256)],
-)
-@pytest.mark.parametrize("kv_len, chunk", [(37, 0), (300, 0), (4096, 0), (300, 64)])
-def test_decode_attention_equals_the_reference(b, t, hq, hkv, d, kv_len, chunk):
-    """SmolLM2's heads (9 over 3), GQA 4:1 at head_dim 128, a 9-query verify step, head_dim 32, 96 and 256
-    (the kernel takes multiples of 32 up to 256); a context of 4,096 positions; Llama 4's chunked mask."""
-    q, k_cache, v_cache, positions, tables = paged_case(b, t, hq, hkv, d, kv_len)
-    got = cpu_ops.decode_attention_bf16(q, k_cache, v_cache, positions, tables, kv_len, chunk)
-    want = decode_attention_reference(
-        q.double(), k_cache.double(), v_cache.double(), positions, tables, kv_len, chunk
-    )
-    assert got.dtype == torch.bfloat16 and got.shape == q.shape
-    # outputs are averages of unit-scale values: bf16 rounding (2^-9 relative) and fp32 sums in another order
-    torch.testing.assert_close(got.double(), want, atol=1e-2, rtol=1e-2)
-
-
-@pytest.mark.parametrize(
-    "b, t, kv_len, chunk", [(1, 8, 300, 0), (3, 5, 37, 0), (2, 9, 4096, 0), (3, 8, 300, 16)]
-)
-def test_decode_attention_over_a_token_tree_equals_the_reference(b, t, kv_len, chunk):
-    """A token tree's rows (speculative/tree.py): each sees the keys before its base (from the start of its
-    root's chunk, with Llama 4's chunk) and its ancestors' slots (random trees), as
-    attention_core.tree_visible says; the positions are not read."""
-    from test_tree import random_parents
-
-    from redline.speculative.tree import structure
-
-    q, k_cache, v_cache, positions, tables = paged_case(b, t, 9, 3, 64, kv_len)
-    base = torch.randint(17 if chunk else 0, 40, (b,))  # few keys before the tree: its mask weighs in
-    _, bits = structure(random_parents(b, t, 4), 4)
-    got = cpu_ops.decode_attention_bf16(q, k_cache, v_cache, positions * 0, tables, kv_len, chunk, base, bits)
-    want = decode_attention_reference(q.double(), k_cache.double(), v_cache.double(), positions, tables,
-                                      kv_len, chunk, base, bits)  # fmt: skip
-    torch.testing.assert_close(got.double(), want, atol=1e-2, rtol=1e-2)
-    if chunk:
-        whole = decode_attention_reference(q.double(), k_cache.double(), v_cache.double(), positions, tables,
-                                           kv_len, 0, base, bits)  # fmt: skip
-        assert not torch.allclose(want, whole, atol=1e-2), "the chunk must matter here"
-    causal = decode_attention_reference(q.double(), k_cache.double(), v_cache.double(),
-                                        base[:, None] + torch.arange(t), tables, kv_len)  # fmt: skip
-    assert not torch.allclose(want, causal, atol=1e-2), "the tree's mask must matter here"
-
-
-def test_decode_attention_of_a_query_is_the_same_whatever_comes_with_it():
-    """Alone or with other rows and tokens, and at a larger kv_len (a plain step and a verify step can be
-    in different kv buckets): the same bits."""
-    q, k_cache, v_cache, positions, tables = paged_case(2, 4, 9, 3, 64, 500)
-    together = cpu_ops.decode_attention_bf16(q, k_cache, v_cache, positions, tables, 500, 0)
-    for row in range(2):
-        for token in range(4):
-            one = (q[row : row + 1, token : token + 1], k_cache, v_cache)
-            alone = cpu_ops.decode_attention_bf16(
-                *one, positions[row : row + 1, token : token + 1], tables[row : row + 1], 500, 0
-            )
-            assert torch.equal(alone[0, 0], together[row, token])
-    longer = torch.cat([tables, tables[:, :4]], dim=1)  # room for 564 positions: no query sees past 499
-    assert torch.equal(
-        cpu_ops.decode_attention_bf16(q, k_cache, v_cache, positions, longer, 560, 0), together
-    )
-
-
-def test_a_query_with_no_key_gets_zeros():
-    """A query at a position >= kv_len in Llama 4's chunked layers starts its chunk past the keys (lo >
-    hi), as the reference: zeros."""
-    q, k_cache, v_cache, _, tables = paged_case(1, 1, 4, 2, 64, 200)
-    got = cpu_ops.decode_attention_bf16(q, k_cache, v_cache, torch.tensor([[150]]), tables, 100, 64)
-    want = decode_attention_reference(q.double(), k_cache.double(), v_cache.double(), torch.tensor([[150]]),
-                                      tables, 100, 64)  # fmt: skip
-    assert torch.equal(got, torch.zeros_like(got)) and torch.equal(want, torch.zeros_like(want))
-
-
-def test_decode_attention_in_a_compiled_graph_at_any_kv_len():
-    """kv_len enters as an unbacked dimension, as in the compiled step: one graph for every length."""
-    torch._dynamo.reset()
-    q, k_cache, v_cache, positions, tables = paged_case(1, 2, 9, 3, 64, 600)
-    kv_index = torch.arange(601)
-
-    def attend(q: torch.Tensor, index: torch.Tensor) -> torch.Tensor:  # [B, T, Hq, D] -> same
-        return cpu_ops.decode_attention_bf16(q * 2, k_cache, v_cache, positions, tables, index.shape[0], 0)
-
-    compiled = torch.compile(attend, fullgraph=True, dynamic=False)
-    for kv_len in (600, 450):
-        index = kv_index[:kv_len]
-        torch._dynamo.decorators.mark_unbacked(index, 0)
-        assert torch.equal(compiled(q, index), attend(q, index))
-
-
-@pytest.mark.parametrize("fp8, d", [(True, 32), (False, 80)])
-def test_what_the_kernel_does_not_take_goes_through_the_gathered_cache(fp8, d):
-    """An FP8 cache, a head_dim not a multiple of 32: the path the kernel replaced."""
-    q, k_cache, v_cache, positions, tables = paged_case(2, 3, 4, 2, d, 40)
-    caches = (k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)) if fp8 else (k_cache, v_cache)
-    got = cpu_ops.decode_attention_bf16(q, *caches, positions, tables, 40, 0)
-    want = decode_attention_reference(q.double(), *(c.double() for c in caches), positions, tables, 40, 0)
-    torch.testing.assert_close(got.double(), want, atol=1e-2, rtol=1e-2)  # bf16 outputs, as above
-
-
-def test_decode_attention_of_peaked_scores():
-    """Queries 30x larger: scores spread over hundreds, so most e^(score - top) underflow to 0 and a few
-    keys carry the output (the kernel's own exp at large negative arguments)."""
-    q, k_cache, v_cache, positions, tables = paged_case(2, 2, 9, 3, 64, 700)
-    q = (q.float() * 30).bfloat16()
-    got = cpu_ops.decode_attention_bf16(q, k_cache, v_cache, positions, tables, 700, 0)
-    want = decode_attention_reference(
-        q.double(), k_cache.double(), v_cache.double(), positions, tables, 700, 0
-    )
-    torch.testing.assert_close(got.double(), want, atol=1e-2, rtol=1e-2)  # bf16 outputs, as above
-
-
-def test_decode_attention_rejects_what_would_read_outside_the_cache():
-    q, k_cache, v_cache, positions, tables = paged_case(1, 1, 4, 2, 32, 40)  # 3 blocks a row: 48 positions
-    with pytest.raises(RuntimeError, match="covering kv_len"):
-        cpu_ops.decode_attention_bf16(q, k_cache, v_cache, positions, tables, 49, 0)
-    with pytest.raises(RuntimeError, match="no block 99 in the cache"):
-        cpu_ops.decode_attention_bf16(q, k_cache, v_cache, positions, torch.full_like(tables, 99), 40, 0)
 
 
 def test_a_decode_step_of_more_than_8_rows_multiplies_each_row_as_a_1_row_step():

@@ -52,11 +52,10 @@ def test_attention_by_reductions_compiled_equals_sdpa(dtype, b, t, hq, hkv, s, c
     torch.testing.assert_close(got.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
-def test_cpu_backends_by_dtype_compile_and_the_cpus_vector_width(monkeypatch):
-    """Without the C++ kernel (kernels/cpu_ops): compiled, streamed rows for every float dtype,
-    attention as reductions, one compile region per kind of layer; eager, F.linear, except fp32 on AMD CPUs
-    and on CPUs without AVX-512 (W @ x^T), and SDPA."""
-    monkeypatch.setattr(cpu_ops, "load", lambda: False)
+def test_cpu_backends_by_dtype_compile_and_the_cpus_vector_width(monkeypatch, without_cpu_kernels):
+    """Without the C++ kernels (kernels/cpu_ops, AVX-512's and AVX2's): compiled, streamed rows for every
+    float dtype, attention as reductions over the gathered cache, one compile region per kind of layer;
+    eager, F.linear, except fp32 on AMD CPUs and on CPUs without AVX-512 (W @ x^T), and SDPA."""
     for dtype in (torch.float32, torch.bfloat16):
         compiled = Backends.choose("cpu", dtype, compiled=True)
         assert compiled.few_rows is streamed_rows and compiled.attention_core is attention_by_reductions

@@ -18,15 +18,21 @@ per machine and torch version with torch's own extension builder and registered 
   above (csrc/kernels.h) and row-wise vector code: a compiled step made about 12 calls from its Python per
   layer (BENCHMARKS.md "One call a decoder layer").
 
-They share csrc/avx512_bf16.h (bf16 loads, the sum of 16 registers' lanes, e^x) and csrc/kernels.h; a
-change to any file there is a new build.
+They share csrc/avx512_bf16.h (bf16 loads, the sum of 16 registers' lanes, e^x), csrc/kernels.h and, with
+the AVX2 attention op below, csrc/paged_keys.h (which cache entries each query sees). Every build's name
+hashes every header of csrc/ and csrc_avx2/: a change to any of them is a new build.
 
 Where they cannot run (no AVX-512 BF16 and VNNI, no C++ compiler or ninja, REDLINE_CPU_KERNELS=0, a failed
 build), `load()` is False and layers/backends.py keeps torch's and inductor's paths. On CPUs with AVX2,
-`load_avx2()` builds one more op for the models those kernels do not take (every model there; fp32 models
-on AVX-512 CPUs), `quantized_rows` (csrc_avx2/quantized_rows_avx2.cpp): int4 and int8 weights in the same
-layout times fp32 or bf16 rows, in integer products as the VNNI kernel's (layers/linear.quantized_product),
-so that quantized weights are read as codes there too.
+`load_avx2()` builds two more ops for the fp32 and bf16 models those kernels do not take (both dtypes on
+CPUs without AVX-512 BF16, fp32 on those with it), sharing csrc_avx2/avx2.h; an fp32 or bf16 model's
+first start on a machine builds them (about 30 s):
+
+- `quantized_rows` (csrc_avx2/quantized_rows_avx2.cpp): int4 and int8 weights in the same layout times
+  rows, in integer products as the VNNI kernel's (layers/linear.quantized_product), so that quantized
+  weights are read as codes there too;
+- `decode_attention` (csrc_avx2/decode_attention_avx2.cpp): decode_attention_bf16's function, 8 keys at a
+  time, for head_dim a multiple of 8 up to 256 (BENCHMARKS.md "Decode attention on AVX2").
 """
 
 from __future__ import annotations
@@ -49,16 +55,17 @@ from redline.kernels.packed_layout import is_packed, out_features
 from redline.kernels.paged_kv import gather_blocks
 from redline.kernels.quantized_layout import dequantize, is_quantized
 
-SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
-HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
-AVX2_SOURCES = sorted((Path(__file__).parent / "csrc_avx2").glob("*.cpp"))  # include csrc/kernels.h
+CSRC, CSRC_AVX2 = Path(__file__).parent / "csrc", Path(__file__).parent / "csrc_avx2"
+SOURCES = sorted(CSRC.glob("*.cpp"))
+AVX2_SOURCES = sorted(CSRC_AVX2.glob("*.cpp"))  # include csrc/*.h too
+HEADERS = sorted([*CSRC.glob("*.h"), *CSRC_AVX2.glob("*.h")])  # part of every build's name
 # -ffp-contract=off: a * b + c rounds twice, as torch and inductor round it (g++ fuses it into one FMA by
 # default, which moved the one-call layer's rotary off torch's)
 BASE_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 FLAGS = [*BASE_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni"]
 AVX2_FLAGS = [*BASE_FLAGS, "-mavx2", "-mfma", "-mf16c"]
 STALE_LOCK_S = 600  # a build takes well under a minute: an older lock was left by a killed process
-_avx2_loaded = False  # load_avx2() built and loaded the AVX2 op: read by quantized_rows_loaded()
+_avx2_loaded = False  # load_avx2() built and loaded the AVX2 ops: read by quantized_rows_loaded()
 
 
 def extension_name(
@@ -164,15 +171,18 @@ def load() -> bool:
 
 @functools.cache
 def load_avx2() -> bool:
-    """Builds (the first time on a machine) and loads the AVX2 quantized-weight op; False where it cannot."""
+    """Builds (the first time on a machine) and loads the AVX2 ops; False where they cannot."""
     global _avx2_loaded
     name = extension_name(AVX2_SOURCES, AVX2_FLAGS, "redline_cpu_avx2")
     if not AVX2_SOURCES or not available(avx2()):  # (an install without csrc_avx2/)
         return False
-    if not _build(name, AVX2_SOURCES, AVX2_FLAGS, "AVX2 quantized-weight kernel"):
+    if not _build(name, AVX2_SOURCES, AVX2_FLAGS, "AVX2 kernels (quantized weights, decode attention)"):
         return False
     torch.library.register_fake("redline_cpu_avx2::quantized_rows")(
         lambda x, w: x.new_empty(x.shape[0], out_features(w))  # [M, K], quantized -> [M, N]
+    )
+    torch.library.register_fake("redline_cpu_avx2::decode_attention")(
+        lambda q, *_: q.new_empty(q.shape)  # [B, T, Hq, D]
     )
     _avx2_loaded = True
     return True
@@ -187,7 +197,8 @@ def quantized_kernel(dtype: torch.dtype) -> bool:
 
 
 def quantized_rows_loaded() -> bool:
-    """Whether load_avx2() has loaded the op: a plain read, which a compiled graph traces as a constant."""
+    """Whether load_avx2() has loaded the AVX2 ops (quantized_rows among them): a plain read, which a
+    compiled graph traces as a constant."""
     return _avx2_loaded
 
 
@@ -224,10 +235,48 @@ def decode_attention_bf16(
     """decode_attention_reference's result. An FP8 cache or a head_dim that is not a multiple of 32 up to
     256 takes the path the kernel replaces: the gathered cache through attention_by_reductions (SDPA
     outside a graph)."""
-    bf16 = k_cache.dtype == torch.bfloat16 and q.dtype == torch.bfloat16
+    bf16 = all(t.dtype == torch.bfloat16 for t in (q, k_cache, v_cache))
     if bf16 and q.shape[-1] % 32 == 0 and q.shape[-1] <= 256:
         kernel = torch.ops.redline_cpu.decode_attention_bf16
         return kernel(q, k_cache, v_cache, positions, tables, kv_len, chunk, tree_base, tree_bits)
+    return gathered_attention(q, k_cache, v_cache, positions, tables, kv_len, chunk, tree_base, tree_bits)
+
+
+def decode_attention_avx2(
+    q: torch.Tensor,  # [B, T, Hq, D] fp32 or bf16
+    k_cache: torch.Tensor,  # [blocks, Hkv, BLOCK, D] in q's dtype
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,  # [B, T] absolute positions of the queries
+    tables: torch.Tensor,  # [B, blocks per sequence] int32
+    kv_len: int,
+    chunk: int = 0,  # attention chunk size (0: none)
+    tree_base: torch.Tensor | None = None,  # [B] with tree_bits [B, T]: a token tree's mask (tree_visible)
+    tree_bits: torch.Tensor | None = None,
+) -> torch.Tensor:  # [B, T, Hq, D]
+    """decode_attention_reference's result by the AVX2 op (load_avx2() first). What it does not take goes
+    through the gathered cache: q in neither fp32 nor bf16, a cache in another dtype than q's (FP8), a
+    head_dim that is not a multiple of 8 up to 256."""
+    d, dtype = q.shape[-1], q.dtype
+    same = k_cache.dtype == dtype and v_cache.dtype == dtype
+    if dtype in (torch.float32, torch.bfloat16) and same and d % 8 == 0 and d <= 256:
+        kernel = torch.ops.redline_cpu_avx2.decode_attention
+        return kernel(q, k_cache, v_cache, positions, tables, kv_len, chunk, tree_base, tree_bits)
+    return gathered_attention(q, k_cache, v_cache, positions, tables, kv_len, chunk, tree_base, tree_bits)
+
+
+def gathered_attention(
+    q: torch.Tensor,  # [B, T, Hq, D]
+    k_cache: torch.Tensor,  # [blocks, Hkv, BLOCK, D]
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,  # [B, T]
+    tables: torch.Tensor,  # [B, blocks per sequence] int32
+    kv_len: int,
+    chunk: int,
+    tree_base: torch.Tensor | None,  # [B] with tree_bits [B, T], or None
+    tree_bits: torch.Tensor | None,
+) -> torch.Tensor:  # [B, T, Hq, D]
+    """What the decode kernels replace: the gathered cache through attention_by_reductions (SDPA outside a
+    graph), under the step's or the tree's mask."""
     keys, values = (gather_blocks(c, tables, kv_len).to(q.dtype) for c in (k_cache, v_cache))
     if tree_base is not None and tree_bits is not None:
         key_positions = torch.arange(kv_len, device=q.device)[None, None, None]

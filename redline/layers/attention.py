@@ -204,7 +204,9 @@ class Attention(nn.Module):
                     out = kernel(q, *cache, batch.positions, batch.tables, batch.kv_len, self.chunk,
                                  batch.tree_base, batch.tree_bits)  # fmt: skip
                     return self.o_proj(out.reshape(*x.shape[:2], -1))
-            elif kernel is not None:
+            # (eager CPU rows grouped by kv bucket keep the grouping where the CPU kernels would gather the
+            # whole cache instead: an FP8 cache)
+            elif kernel is not None and (batch.key_groups is None or cache[0].dtype == q.dtype):
                 out = kernel(q, *cache, batch.positions, batch.tables, batch.kv_len, self.chunk)
                 return self.o_proj(out.reshape(*x.shape[:2], -1))
             if batch.key_groups is not None:

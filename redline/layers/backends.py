@@ -9,8 +9,9 @@ The rules (BENCHMARKS.md "Few-row linears", "Compiled bf16 decode"):
 | where                     | CUDA with Triton                      | CPU                                    |
 |---------------------------|---------------------------------------|----------------------------------------|
 | cached attention, <= 9 q  | split-KV decode kernel (PDL with pdl) | bf16 with AVX-512 BF16: a C++ kernel   |
-|                           |                                       | (kernels/cpu_ops); else the core over  |
-|                           |                                       | the gathered cache                     |
+|  (or a token tree's rows) |                                       | (kernels/cpu_ops); fp32 or bf16 with   |
+|                           |                                       | AVX2: another (csrc_avx2); else the    |
+|                           |                                       | core over the gathered cache           |
 | cached attention, prompts | flash-attention prefill kernel        | the core (SDPA: its flash kernel)      |
 | attention core            | SDPA                                  | compiled: reductions inductor fuses    |
 | add + post-attention norm | one fused kernel                      | torch                                  |
@@ -127,6 +128,14 @@ class Backends:
             few_rows = streamed_rows
         elif dtype == torch.float32 and (cpu_vendor() == "AuthenticAMD" or not avx512()):
             few_rows = weight_times_xt
+        if dtype in (torch.float32, torch.bfloat16) and cpu_ops.load_avx2():
+            return cls(
+                decode_attention=cpu_ops.decode_attention_avx2,
+                attention_core=core,
+                few_rows=few_rows,
+                layer_regions=compiled,
+                tree_rows=TREE_SLOTS + 1,  # as the AVX-512 kernel: any tree
+            )
         return cls(attention_core=core, few_rows=few_rows, layer_regions=compiled)
 
     @classmethod

@@ -73,31 +73,34 @@ inline void product(const uint16_t* x, int64_t M, const Weight& w, at::BFloat16*
     few_rows(x, M, w.K, data, w.N, y);
 }
 
-// A paged KV cache, k and v [blocks, kv_heads, block_size, head_dim], and the rows' block tables [B, per_row]
+// A paged KV cache, k and v [blocks, kv_heads, block_size, head_dim] in the dtype paged_cache checked, and
+// the rows' block tables [B, per_row]
 struct PagedCache {
-  const uint16_t* k;
-  const uint16_t* v;
+  const void* k;
+  const void* v;
   int64_t blocks, kv_heads, block_size, head_dim;
   const int32_t* tables;
   int64_t per_row;
 };
 
-// The cache of k_cache, v_cache [blocks, Hkv, BLOCK, D] and tables [B, n] (contiguous int32, kept alive by
-// the caller) for B rows of Hq query heads of head_dim D attending kv_len positions, checked.
+// The cache of k_cache, v_cache [blocks, Hkv, BLOCK, D] in `dtype` and tables [B, n] (contiguous int32, kept
+// alive by the caller) for B rows of Hq query heads of head_dim D (a multiple of `multiple` up to 256)
+// attending kv_len positions, checked.
 inline PagedCache paged_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
-                              int64_t B, int64_t Hq, int64_t D, int64_t kv_len) {
+                              int64_t B, int64_t Hq, int64_t D, int64_t kv_len,
+                              at::ScalarType dtype = at::kBFloat16, int64_t multiple = 32) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "caches [blocks, Hkv, BLOCK, D]");
-  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16,
-              "bf16 caches only");
+  TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype, "caches in ", dtype,
+              " only, not ", k_cache.scalar_type(), " and ", v_cache.scalar_type());
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && tables.is_contiguous() &&
                   tables.scalar_type() == at::kInt,
               "contiguous caches, contiguous int32 tables");
-  TORCH_CHECK(D % 32 == 0 && D <= 256 && D == k_cache.size(3) && k_cache.size(1) > 0 &&
+  TORCH_CHECK(D % multiple == 0 && D <= 256 && D == k_cache.size(3) && k_cache.size(1) > 0 &&
                   Hq % k_cache.size(1) == 0,
-              "head_dim the cache's, a multiple of 32 up to 256; Hq a multiple of Hkv");
+              "head_dim the cache's, a multiple of ", multiple, " up to 256; Hq a multiple of Hkv");
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && kv_len <= tables.size(1) * k_cache.size(2),
               "tables [B, n] covering kv_len positions");
-  return {bits(k_cache), bits(v_cache), k_cache.size(0), k_cache.size(1), k_cache.size(2), D,
+  return {k_cache.data_ptr(), v_cache.data_ptr(), k_cache.size(0), k_cache.size(1), k_cache.size(2), D,
           tables.data_ptr<int32_t>(), tables.size(1)};
 }
 

@@ -26,13 +26,14 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
-#include <type_traits>
 #include <vector>
 
 #include "../csrc/kernels.h"
+#include "avx2.h"
 
 namespace {
 
+using redline::load8;
 using redline::PACK_ROWS;
 constexpr int64_t MAX_GROUP = 256;  // int32 sums of a group stay exact (see above)
 // rows a tile multiplies: 8 int32 sums, 4 weight registers and x in AVX2's 16 registers (the 8 fp32 sums,
@@ -45,17 +46,6 @@ struct Int16Rows {
   std::unique_ptr<int16_t[]> codes;
   std::vector<float> scales, sums;
 };
-
-// 8 values of x at p (fp32, or bf16: a float's high half) as fp32
-template <typename T>
-__attribute__((always_inline)) inline __m256 load8(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm256_loadu_ps(p);
-  } else {
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-  }
-}
 
 // x [M, K] in int16, each row's groups of G (a multiple of 16) with their own scale; rows in parallel
 template <typename T>
@@ -203,5 +193,5 @@ at::Tensor quantized_rows_avx2(const at::Tensor& x, const at::Tensor& weight) {
 
 }  // namespace
 
-TORCH_LIBRARY(redline_cpu_avx2, m) { m.def("quantized_rows(Tensor x, Tensor w) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(redline_cpu_avx2, m) { m.def("quantized_rows(Tensor x, Tensor w) -> Tensor"); }
 TORCH_LIBRARY_IMPL(redline_cpu_avx2, CPU, m) { m.impl("quantized_rows", quantized_rows_avx2); }
