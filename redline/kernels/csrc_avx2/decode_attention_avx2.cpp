@@ -24,7 +24,8 @@ namespace {
 
 using redline::load8;
 constexpr int64_t LANES = 8;      // fp32 lanes of an AVX2 register
-constexpr int64_t MAX_DIM = 256;  // head_dim: a multiple of 8 up to 256 (paged_cache checks it)
+constexpr int64_t MAX_DIM = 256;  // head_dim: a multiple of 8 up to 256
+static_assert(MAX_DIM == 256, "paged_cache (../csrc/kernels.h) checks head_dim <= 256 for the stack arrays");
 constexpr int VALUE_TILE = 8;     // value registers summed at once: 8 independent FMA chains
 
 // sum_j scores[j] v_j[first .. first + 8 R) over the values at `offsets`, into acc[first ..]: each element
@@ -104,17 +105,16 @@ void attend(const Element* query_row, const Element* k_cache, const Element* v_c
 // q [B, T, Hq, D] of Element (fp32, or bf16's bits), out the same shape of Out (fp32 or bf16)
 template <typename Element, typename Out>
 void attend_all(const Element* q, int64_t B, int64_t T, int64_t Hq, const int64_t* positions,
-                      const redline::PagedCache& cache, int64_t kv_len, int64_t chunk,
-                      const redline::TreeRows* tree, Out* out) {
+                const redline::PagedCache& cache, int64_t kv_len, int64_t chunk,
+                const redline::TreeRows* tree, Out* out) {
   const int64_t D = cache.head_dim;
   const float scale = 1.0f / std::sqrt(float(D));
   const auto* k = static_cast<const Element*>(cache.k);
   const auto* v = static_cast<const Element*>(cache.v);
   redline::for_each_query(B, T, Hq, positions, cache, kv_len, chunk, tree,
-                          [&](int64_t task, int64_t query, const std::vector<int64_t>& offsets) {
-                            thread_local std::vector<float> scores;
-                            attend(q + (query * Hq + task % Hq) * D, k, v, offsets, D, scale, scores,
-                                   out + task * D);
+                          [&](int64_t task, int64_t, const std::vector<int64_t>& offsets) {
+                            thread_local std::vector<float> scores;  // q and out share the layout
+                            attend(q + task * D, k, v, offsets, D, scale, scores, out + task * D);
                           });
 }
 
@@ -137,7 +137,6 @@ at::Tensor decode_attention_avx2(const at::Tensor& q_in, const at::Tensor& k_cac
   std::pair<at::Tensor, at::Tensor> kept;
   redline::TreeRows rows;
   const redline::TreeRows* tree = redline::tree_rows(tree_base, tree_bits, B, T, kept, rows);
-  TORCH_CHECK(D <= MAX_DIM, "decode_attention_avx2: head_dim up to ", MAX_DIM);
   const int64_t* at_positions = positions.data_ptr<int64_t>();
   if (type == at::kFloat)
     attend_all(q.data_ptr<float>(), B, T, Hq, at_positions, cache, kv_len, chunk, tree,
